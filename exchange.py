@@ -1,0 +1,293 @@
+"""How the two workers of ``dual_mlp.py`` meet and swap weights.
+
+Three pieces, each small enough to read in one go:
+
+``Peer``
+    a zmq PAIR socket between the two workers, over ``ipc://`` in the run's
+    private directory.  It carries the one-time handshake (each worker's
+    buffer handle) and, every step, the barriers: each side sends the step
+    number and waits for the other's.  Every wait has a timeout.
+
+``HostDevice`` / ``CudaDevice``
+    where a worker's arrays live.  On the CPU, PyTensor's default backend
+    runs the graph on NumPy arrays.  On a GPU, PyTensor's JAX backend runs it
+    on ``jax.Array`` buffers of that GPU, and PyCUDA works on the same memory
+    through the device's primary context, the one JAX uses too.
+
+the transports
+    a worker *publishes* its weights into its own send buffer, whose address
+    never moves, and the peer *fetches* them from there into its receive
+    buffer:
+
+    * ``HostTransport`` (CPU): the send buffer is a file in the run's private
+      directory that both workers map; its path is the handle.
+    * ``CudaIpcTransport`` (GPU): the send buffer is PyCUDA device memory; its
+      CUDA IPC handle goes to the peer once, and every fetch is one
+      device-to-device copy from the peer's GPU (over NVLink where there is one).
+    * ``StagedCudaTransport`` (GPU pairs that cannot reach each other's
+      memory): device -> mapped host file -> device.
+
+The weights of all layers travel as one flat buffer; ``Layout`` says where
+each parameter sits in it.
+"""
+import os
+import pickle
+import platform
+import time
+
+import numpy as np
+import zmq
+
+
+class PeerError(Exception):
+    """The other worker stalled, vanished or disagreed; one line of message."""
+
+
+class Peer:
+    """The zmq link to the other worker: worker 0 binds, worker 1 connects."""
+
+    def __init__(self, rundir, rank, timeout, spin=0.0):
+        """
+        :param timeout: seconds to wait for the peer at any barrier
+        :param spin: seconds to poll without sleeping before blocking; a
+            wake-up from a blocking wait costs tens of microseconds, which
+            matters next to a GPU step but would steal a CPU worker's core
+        """
+        self.rank, self.timeout, self.spin = rank, timeout, spin
+        self.barriers = 0
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.PAIR)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        address = "ipc://" + os.path.join(rundir, "peer.sock")
+        if rank == 0:
+            self.socket.bind(address)
+        else:
+            self.socket.connect(address)
+
+    def _recv(self, what):
+        deadline = time.perf_counter() + self.spin
+        while time.perf_counter() < deadline:
+            try:
+                return self.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        if not self.socket.poll(self.timeout * 1000):
+            raise PeerError(f"worker {1 - self.rank} did not reach {what} within "
+                            f"{self.timeout:g} s (see --timeout)")
+        return self.socket.recv()
+
+    def exchange(self, obj, what="the handshake"):
+        """Send ``obj``, return the peer's (used once, for the handles)."""
+        self.socket.send(pickle.dumps(obj))
+        return pickle.loads(self._recv(what))
+
+    def barrier(self):
+        """Return once both workers have called it as often as each other."""
+        self.barriers += 1
+        tag = b"%d" % self.barriers
+        self.socket.send(tag)
+        other = self._recv(f"barrier {self.barriers}")
+        if other != tag:
+            raise PeerError(f"workers out of step: at barrier {self.barriers}, "
+                            f"the peer is at {other.decode()}")
+
+    def close(self):
+        self.socket.close(linger=0)
+        self.context.term()
+
+
+class Layout:
+    """Where each parameter lives in the flat exchange buffer."""
+
+    def __init__(self, shapes, dtype):
+        self.shapes, self.dtype = [tuple(s) for s in shapes], np.dtype(dtype)
+        self.sizes = [int(np.prod(s)) for s in self.shapes]
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
+        self.size = self.offsets[-1]
+        self.nbytes = self.size * self.dtype.itemsize
+
+    def views(self, flat):
+        """The parameters as reshaped slices of a flat buffer."""
+        return [flat[a:a + n].reshape(s) for a, n, s in zip(self.offsets, self.sizes, self.shapes)]
+
+
+class HostDevice:
+    """A worker on the CPU: PyTensor's default backend, NumPy arrays."""
+
+    name = "cpu"
+    mode = None  # the mode of PYTENSOR_FLAGS / THEANO_FLAGS
+    spin = 0.0
+    description = platform.processor() or platform.machine()
+
+    def put(self, array):
+        return np.array(array)
+
+    def to_host(self, value):
+        return np.asarray(value)
+
+    def wait(self, values):
+        pass  # NumPy work is done when the call returns
+
+    def average_in_place(self, arrays, recv, layout):
+        """``--avg pycuda`` on the CPU: the direct array operation, in place."""
+        for mine, theirs in zip(arrays, layout.views(recv)):
+            np.add(mine, theirs, out=mine)
+            mine *= 0.5
+
+    def transport(self, rundir, rank, layout, peer_device):
+        return HostTransport(rundir, rank, layout, self)
+
+    def close(self):
+        pass
+
+
+class CudaDevice:
+    """A worker bound to one GPU.
+
+    JAX was restricted to this GPU before it started (``JAX_CUDA_VISIBLE_DEVICES``,
+    set by the launcher), so this process takes no memory on any other.
+    PyCUDA retains the same device's primary context: pointers from JAX
+    arrays are valid in PyCUDA, and the reverse.
+    """
+
+    mode = "JAX"
+    spin = 0.002
+
+    def __init__(self, index):
+        import jax
+        import pycuda.driver as drv
+        from pycuda.compiler import SourceModule
+
+        self.jax, self.drv, self.index, self.name = jax, drv, index, f"cuda{index}"
+        (self.jax_device,) = jax.devices()  # creates JAX's context on our GPU
+        drv.init()
+        self.description = drv.Device(index).name()
+        self.context = drv.Device(index).retain_primary_context()
+        self.context.push()
+        self.stream = drv.Stream()
+        # One small kernel, launched once per parameter: mine = (mine + peer) / 2.
+        self._average = SourceModule("""
+            __global__ void average(float *mine, const float *peer, unsigned n) {
+                for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+                     i += blockDim.x * gridDim.x)
+                    mine[i] = 0.5f * (mine[i] + peer[i]);
+            }""").get_function("average")
+        self._average.prepare("PPI")
+
+    def put(self, array):
+        return self.jax.device_put(np.asarray(array), self.jax_device)
+
+    def to_host(self, value):
+        return np.asarray(value)
+
+    def wait(self, values):
+        self.jax.block_until_ready(values)
+
+    @staticmethod
+    def pointer(array):
+        return array.unsafe_buffer_pointer()
+
+    def average_in_place(self, arrays, recv, layout):
+        """``--avg pycuda``: the kernel, in place on the buffers JAX handed
+        back; safe because nothing else holds them and we wait for it."""
+        base, itemsize = self.pointer(recv), layout.dtype.itemsize
+        for mine, offset in zip(arrays, layout.offsets):
+            n = mine.size
+            self._average.prepared_async_call((min((n + 255) // 256, 1024), 1), (256, 1, 1),
+                                              self.stream, self.pointer(mine),
+                                              base + offset * itemsize, np.uint32(n))
+        self.stream.synchronize()
+
+    def can_reach(self, other_index):
+        drv = self.drv
+        return other_index == self.index or drv.Device(self.index).can_access_peer(
+            drv.Device(other_index))
+
+    def transport(self, rundir, rank, layout, peer_device):
+        if os.environ.get("DUAL_MLP_STAGED") or not self.can_reach(peer_device):
+            return StagedCudaTransport(rundir, rank, layout, self)
+        return CudaIpcTransport(layout, self)
+
+    def close(self):
+        self.context.pop()
+        self.context.detach()
+
+
+class HostTransport:
+    """CPU weights through host memory: a file in the run directory, mapped
+    by both workers, stands in for a CUDA IPC buffer; its path is the handle."""
+
+    def __init__(self, rundir, rank, layout, device):
+        self.layout, self.device = layout, device
+        self.path = os.path.join(rundir, f"weights{rank}.bin")
+        self.send = np.memmap(self.path, layout.dtype, mode="w+", shape=(layout.size,))
+        self.send_views = layout.views(self.send)
+        self.recv = device.put(np.zeros(layout.size, layout.dtype))
+        self.peer = None
+
+    def handle(self):
+        return self.path
+
+    def connect(self, handle):
+        self.peer = np.memmap(handle, self.layout.dtype, mode="r", shape=(self.layout.size,))
+
+    def publish(self, values):
+        for view, value in zip(self.send_views, values):
+            view[...] = value
+
+    def fetch(self):
+        self.recv[...] = self.peer
+
+    def close(self):
+        self.peer = self.send = self.send_views = None  # unmaps
+
+
+class CudaIpcTransport:
+    """GPU to GPU.  The send buffer is allocated once by PyCUDA, so its
+    address never moves (JAX writes every step's weights to new buffers)
+    and one IPC handle serves the whole run.  The receive buffer is a JAX
+    array, so the compiled averaging function can read it directly."""
+
+    def __init__(self, layout, device):
+        self.layout, self.device = layout, device
+        drv = device.drv
+        self.send = drv.mem_alloc(layout.nbytes)
+        self.recv = device.put(np.zeros(layout.size, layout.dtype))
+        self.peer = None
+
+    def handle(self):
+        return self.device.drv.mem_get_ipc_handle(self.send)
+
+    def connect(self, handle):
+        # maps the peer's buffer into our context; peer access is enabled lazily
+        self.peer = self.device.drv.IPCMemoryHandle(handle)
+
+    def publish(self, values):
+        drv, stream, itemsize = self.device.drv, self.device.stream, self.layout.dtype.itemsize
+        for offset, value in zip(self.layout.offsets, values):
+            drv.memcpy_dtod_async(int(self.send) + offset * itemsize, self.device.pointer(value),
+                                  value.nbytes, stream)
+        stream.synchronize()
+
+    def fetch(self):
+        self.device.drv.memcpy_dtod_async(self.device.pointer(self.recv), self.peer,
+                                          self.layout.nbytes, self.device.stream)
+        self.device.stream.synchronize()
+
+    def close(self):
+        if self.peer is not None:
+            self.peer.close()
+        self.send.free()
+        self.peer = None
+
+
+class StagedCudaTransport(HostTransport):
+    """The fallback for two GPUs without peer access: each worker copies its
+    weights down into its mapped host file, the peer copies them up."""
+
+    def publish(self, values):
+        for view, value in zip(self.send_views, values):
+            self.device.drv.memcpy_dtoh(view, self.device.pointer(value))
+
+    def fetch(self):
+        self.device.drv.memcpy_htod(self.device.pointer(self.recv), self.peer)

@@ -1,0 +1,189 @@
+"""Logistic regression with stochastic gradient descent, in PyTensor.
+
+A port of the deeplearning.net tutorial module of the same name (the
+Theano tutorial that ``dual_mlp.py``'s 2014 original was built on).
+
+Logistic regression is a probabilistic, linear classifier, parametrised by a
+weight matrix :math:`W` and a bias vector :math:`b`.  It projects an input
+vector onto a set of hyperplanes, one per class; the distance to a
+hyperplane gives the probability of its class:
+
+.. math::
+
+    P(Y=i|x, W,b) = softmax_i(W x + b) = \\frac {e^{W_i x + b_i}} {\\sum_j e^{W_j x + b_j}}
+
+and the prediction is the most probable class:
+
+.. math::
+
+    y_{pred} = argmax_i P(Y=i|x,W,b)
+
+Run alone, this file trains the model on the demo's data, as the tutorial did::
+
+    python logistic_sgd.py [--dataset PATH] [--epochs 20]
+"""
+import argparse
+import sys
+import time
+
+import theano_flags  # noqa: F401  (maps THEANO_FLAGS onto PyTensor; must precede it)
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+
+import datasets
+
+
+class LogisticRegression:
+    """Multi-class logistic regression.
+
+    Fully described by ``W`` (n_in x n_out) and ``b`` (n_out,); classes are
+    the columns of ``W``.
+    """
+
+    def __init__(self, input, n_in, n_out):
+        """
+        :param input: symbolic matrix, one minibatch (n_examples, n_in)
+        :param n_in: dimension of an input example (784 for MNIST's 28x28)
+        :param n_out: number of classes (10)
+        """
+        floatX = pytensor.config.floatX
+        self.W = pytensor.shared(np.zeros((n_in, n_out), dtype=floatX), name="W", borrow=True)
+        self.b = pytensor.shared(np.zeros((n_out,), dtype=floatX), name="b", borrow=True)
+        self.n_out = n_out
+
+        # symbolic (n_examples, n_out) matrix of class-membership probabilities,
+        # and its logarithm computed stably (log-sum-exp) for the cost
+        activation = pt.dot(input, self.W) + self.b
+        self.p_y_given_x = pt.special.softmax(activation, axis=1)
+        self.log_p_y_given_x = pt.special.log_softmax(activation, axis=1)
+
+        # symbolic (n_examples,) vector of predicted classes
+        self.y_pred = pt.argmax(self.p_y_given_x, axis=1)
+
+        self.params = [self.W, self.b]
+        self.input = input
+
+    def negative_log_likelihood(self, y):
+        """Mean negative log-likelihood of the correct labels ``y``:
+
+        .. math::
+
+            \\mathcal{L}(\\theta, \\mathcal{D}) = -\\frac{1}{|\\mathcal{D}|}
+                \\sum_{i=0}^{|\\mathcal{D}|} \\log(P(Y=y^{(i)}|x^{(i)}, W,b))
+
+        We use the mean rather than the sum so that the learning rate does not
+        depend on the minibatch size.
+
+        The tutorial picks each row's entry with ``[T.arange(y.shape[0]), y]``;
+        JAX cannot compile an ``arange`` of a length known only at run time, so
+        the same entries are picked here by a one-hot mask over the fixed
+        number of classes.
+        """
+        one_hot = pt.eq(y[:, None], pt.arange(self.n_out)[None, :])
+        return -pt.mean(pt.sum(self.log_p_y_given_x * one_hot, axis=1))
+
+    def errors(self, y):
+        """Fraction of the examples in the minibatch that are misclassified
+        (the zero-one loss over the minibatch)."""
+        if y.ndim != self.y_pred.ndim:
+            raise TypeError("y should have the same shape as self.y_pred",
+                            ("y", y.type, "y_pred", self.y_pred.type))
+        return pt.mean(pt.neq(self.y_pred, y))
+
+
+def shared_dataset(data_xy, borrow=True):
+    """Load a split into shared variables.
+
+    Shared variables let the compiled functions read the data in place (on a
+    GPU: keep it in device memory) instead of copying a minibatch in at
+    every call.
+    """
+    data_x, data_y = data_xy
+    shared_x = pytensor.shared(np.asarray(data_x, dtype=pytensor.config.floatX), borrow=borrow)
+    shared_y = pytensor.shared(np.asarray(data_y, dtype="int32"), borrow=borrow)
+    return shared_x, shared_y
+
+
+def load_data(dataset):
+    """Read a data set (see ``datasets.py``) into shared variables.
+
+    :param dataset: path to ``mnist.pkl.gz`` or to a folder of IDX files
+    :returns: ``[(train_x, train_y), (valid_x, valid_y), (test_x, test_y)]``
+    """
+    return [shared_dataset(split) for split in datasets.read(dataset)]
+
+
+def minibatch(data, index, batch_size):
+    """Symbolic minibatch ``index`` of a shared data set: the rows
+    ``index * batch_size`` to ``(index + 1) * batch_size``.
+
+    The tutorial writes ``data[index * batch_size:(index + 1) * batch_size]``;
+    JAX cannot compile a slice whose bounds are only known at run time, so
+    the data is viewed as (n_batches, batch_size, ...) and indexed instead.
+    """
+    n_batches = data.get_value(borrow=True).shape[0] // batch_size
+    rows = data[:n_batches * batch_size]
+    return rows.reshape((n_batches, batch_size) + tuple(rows.shape[1:data.ndim]))[index]
+
+
+def sgd_optimization_mnist(learning_rate=0.13, n_epochs=20, dataset=None, batch_size=600):
+    """Stochastic gradient descent on a log-linear model, the tutorial's loop
+    reduced to its core: train on every minibatch, validate after each epoch,
+    keep the test error of the best-validation model."""
+    dataset, notice = datasets.resolve(dataset)
+    if notice:
+        print(notice)
+    (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = load_data(dataset)
+    n_train_batches = train_x.get_value(borrow=True).shape[0] // batch_size
+
+    print("... building the model")
+    index = pt.lscalar()
+    x = pt.matrix("x")
+    y = pt.ivector("y")
+    classifier = LogisticRegression(input=x, n_in=datasets.N_PIXELS, n_out=datasets.N_CLASSES)
+    cost = classifier.negative_log_likelihood(y)
+    g_W, g_b = pytensor.grad(cost=cost, wrt=[classifier.W, classifier.b])
+    train_model = pytensor.function(
+        [index], cost,
+        updates=[(classifier.W, classifier.W - learning_rate * g_W),
+                 (classifier.b, classifier.b - learning_rate * g_b)],
+        givens={x: minibatch(train_x, index, batch_size), y: minibatch(train_y, index, batch_size)})
+    validate_model = pytensor.function([], classifier.errors(y), givens={x: valid_x, y: valid_y})
+    test_model = pytensor.function([], classifier.errors(y), givens={x: test_x, y: test_y})
+
+    print("... training the model")
+    best_validation_loss, test_score = np.inf, np.inf
+    start_time = time.perf_counter()
+    for epoch in range(1, n_epochs + 1):
+        for minibatch_index in range(n_train_batches):
+            train_model(minibatch_index)
+        this_validation_loss = float(validate_model())
+        print(f"epoch {epoch}, minibatch {n_train_batches}/{n_train_batches}, "
+              f"validation error {this_validation_loss * 100.:f} %")
+        if this_validation_loss < best_validation_loss:
+            best_validation_loss = this_validation_loss
+            test_score = float(test_model())
+    print(f"Optimization complete with best validation score of {best_validation_loss * 100.:f} %, "
+          f"with test performance {test_score * 100.:f} %")
+    print(f"The code ran for {n_epochs / (time.perf_counter() - start_time):.2f} epochs/s")
+    return best_validation_loss, test_score
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Train logistic regression on MNIST, "
+                                     "as in the deeplearning.net tutorial.")
+    parser.add_argument("--dataset", help="mnist.pkl.gz or a folder of IDX files "
+                        "(default: ./mnist.pkl.gz, else the shipped 5,000 digits)")
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--learning-rate", type=float, default=0.13)
+    args = parser.parse_args(argv)
+    try:
+        sgd_optimization_mnist(args.learning_rate, args.epochs, args.dataset, args.batch_size)
+    except datasets.DatasetError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

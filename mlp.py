@@ -1,0 +1,238 @@
+"""A multilayer perceptron in PyTensor: the deeplearning.net tutorial's MLP.
+
+A multilayer perceptron is a logistic regressor where, instead of feeding
+the input to the logistic regression, you insert an intermediate layer, the
+hidden layer, that has a nonlinear activation function (here tanh).  The
+logistic regression's input is the hidden layer's output:
+
+.. math::
+
+    f(x) = G( b^{(2)} + W^{(2)}( s( b^{(1)} + W^{(1)} x)))
+
+with shapes, for MNIST and 500 hidden units: ``x`` (n_examples, 784),
+``W1`` (784, 500), ``b1`` (500,), ``W2`` (500, 10), ``b2`` (10,).  That is
+397,510 parameters, 1.59 MB in float32: what ``dual_mlp.py`` exchanges
+between its two workers after every step.
+
+Run alone, this file trains one model on one process, as the tutorial did::
+
+    python mlp.py [--dataset PATH] [--epochs 10] [--batch-size 20] [--save model.npz]
+"""
+import argparse
+import sys
+import time
+
+import theano_flags  # noqa: F401  (maps THEANO_FLAGS onto PyTensor; must precede it)
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+
+import datasets
+from logistic_sgd import LogisticRegression, load_data, minibatch
+
+
+class HiddenLayer:
+    def __init__(self, rng, input, n_in, n_out, W=None, b=None, activation=pt.tanh):
+        """A fully connected layer: ``output = activation(dot(input, W) + b)``.
+
+        :param rng: numpy.random.RandomState used to initialise the weights
+        :param input: symbolic matrix of shape (n_examples, n_in)
+        :param n_in: dimensionality of the input
+        :param n_out: number of hidden units
+        :param activation: nonlinearity of the hidden layer
+
+        ``W`` (n_in, n_out) is drawn uniformly from
+        :math:`\\pm\\sqrt{6 / (n_{in} + n_{out})}` (Glorot & Bengio, 2010, for
+        tanh; four times that for the sigmoid); ``b`` (n_out,) starts at 0.
+        """
+        self.input = input
+        floatX = pytensor.config.floatX
+        if W is None:
+            bound = np.sqrt(6.0 / (n_in + n_out))
+            W_values = np.asarray(rng.uniform(low=-bound, high=bound, size=(n_in, n_out)),
+                                  dtype=floatX)
+            if activation == pt.sigmoid:
+                W_values *= 4
+            W = pytensor.shared(value=W_values, name="W", borrow=True)
+        if b is None:
+            b = pytensor.shared(value=np.zeros((n_out,), dtype=floatX), name="b", borrow=True)
+        self.W, self.b = W, b
+
+        lin_output = pt.dot(input, self.W) + self.b
+        self.output = lin_output if activation is None else activation(lin_output)
+        self.params = [self.W, self.b]
+
+
+class MLP:
+    """One hidden layer of tanh units under a softmax (LogisticRegression)
+    output layer, with the L1 and squared L2 norms of the weights for
+    regularisation."""
+
+    def __init__(self, rng, input, n_in, n_hidden, n_out):
+        self.hiddenLayer = HiddenLayer(rng=rng, input=input, n_in=n_in, n_out=n_hidden,
+                                       activation=pt.tanh)
+        self.logRegressionLayer = LogisticRegression(input=self.hiddenLayer.output,
+                                                     n_in=n_hidden, n_out=n_out)
+        self.L1 = abs(self.hiddenLayer.W).sum() + abs(self.logRegressionLayer.W).sum()
+        self.L2_sqr = (self.hiddenLayer.W ** 2).sum() + (self.logRegressionLayer.W ** 2).sum()
+        self.negative_log_likelihood = self.logRegressionLayer.negative_log_likelihood
+        self.errors = self.logRegressionLayer.errors
+        self.params = self.hiddenLayer.params + self.logRegressionLayer.params
+        self.input = input
+
+
+class Model:
+    """An MLP and its three compiled functions, as the tutorial builds them:
+
+    * ``train_model(i)``: one SGD step on minibatch ``i``, returns the cost
+      ``NLL + L1_reg * L1 + L2_reg * L2_sqr``;
+    * ``validate_model()``, ``test_model()``: error rate on the whole
+      validation or test set.
+    """
+
+    def __init__(self, data, batch_size, n_hidden=500, learning_rate=0.01, L1_reg=0.0,
+                 L2_reg=0.0001, seed=1234, mode=None, replace=None):
+        """
+        :param data: the shared ``[(train_x, train_y), (valid_x, valid_y), (test_x, test_y)]``
+        :param mode: PyTensor mode for every function (None: the flags' mode, "JAX": JAX)
+        :param replace: optional {parameter: expression} substituted for the
+            parameters inside the training step only (``dual_mlp.py`` folds
+            the weight averaging into the step with it)
+        """
+        (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = data
+        self.n_train_batches = train_x.get_value(borrow=True).shape[0] // batch_size
+
+        index = pt.lscalar("index")
+        x = pt.matrix("x")
+        y = pt.ivector("y")
+        self.classifier = classifier = MLP(rng=np.random.RandomState(seed), input=x,
+                                           n_in=datasets.N_PIXELS, n_hidden=n_hidden,
+                                           n_out=datasets.N_CLASSES)
+        self.params = classifier.params
+        cost = (classifier.negative_log_likelihood(y) + L1_reg * classifier.L1
+                + L2_reg * classifier.L2_sqr)
+        gparams = [pytensor.grad(cost, param) for param in classifier.params]
+        updates = [(param, param - learning_rate * gparam)
+                   for param, gparam in zip(classifier.params, gparams)]
+
+        self.train_model = pytensor.function(
+            [index], cost, updates=updates, mode=mode,
+            givens={x: minibatch(train_x, index, batch_size),
+                    y: minibatch(train_y, index, batch_size), **(replace or {})})
+        self.validate_model = pytensor.function([], classifier.errors(y), mode=mode,
+                                                givens={x: valid_x, y: valid_y})
+        self.test_model = pytensor.function([], classifier.errors(y), mode=mode,
+                                            givens={x: test_x, y: test_y})
+
+    def get_params(self):
+        return [np.array(p.get_value()) for p in self.params]
+
+    def set_params(self, values):
+        for p, v in zip(self.params, values):
+            p.set_value(np.asarray(v, dtype=p.dtype))
+
+
+class CheckpointError(Exception):
+    """A checkpoint that does not fit the model, with a one-line message."""
+
+
+def save_checkpoint(path, params, best_params, **state):
+    """Write parameters and training state to an .npz file atomically: a run
+    killed while saving leaves the previous checkpoint intact."""
+    arrays = {f"params_{i}": p for i, p in enumerate(params)}
+    arrays.update({f"best_{i}": p for i, p in enumerate(best_params)})
+    arrays.update({k: np.asarray(v) for k, v in state.items()})
+    with datasets.atomic_write(path) as f:
+        np.savez(f, **arrays)
+
+
+def parameter_shapes(n_in, n_hidden, n_out):
+    """The shapes of ``MLP.params``: W and b of each layer."""
+    return [(n_in, n_hidden), (n_hidden,), (n_hidden, n_out), (n_out,)]
+
+
+def load_checkpoint(path, shapes):
+    """Read a checkpoint written by ``save_checkpoint`` for a model whose
+    parameters have ``shapes``; returns (params, best_params, state)."""
+    try:
+        with np.load(path) as f:
+            saved = {k: f[k] for k in f.files}
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint not found: {path}") from None
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__})") from None
+    try:
+        current = [saved.pop(f"params_{i}") for i in range(len(shapes))]
+        best = [saved.pop(f"best_{i}") for i in range(len(shapes))]
+        saved["epoch"]
+    except KeyError:
+        raise CheckpointError(f"{path}: not a checkpoint of this model") from None
+    for i, (v, shape) in enumerate(zip(current, shapes)):
+        if v.shape != tuple(shape):
+            raise CheckpointError(f"{path}: parameter {i} has shape {v.shape}, the model "
+                                  f"{tuple(shape)} (another --n-hidden?)")
+    return current, best, {k: v.item() if v.ndim == 0 else v.tolist() for k, v in saved.items()}
+
+
+def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, dataset=None,
+             batch_size=20, n_hidden=500, seed=1234, save=None):
+    """Stochastic gradient descent on the MLP, the tutorial's demonstration
+    reduced to its core loop: train on every minibatch, validate after each
+    epoch, keep the test error of the best-validation model."""
+    dataset, notice = datasets.resolve(dataset)
+    if notice:
+        print(notice)
+    data = load_data(dataset)
+    print("... building and compiling the model (the first run compiles C code: "
+          "a minute or so)")
+    model = Model(data, batch_size, n_hidden, learning_rate, L1_reg, L2_reg, seed)
+    n_train_batches = model.n_train_batches
+    if n_train_batches == 0:
+        raise datasets.DatasetError(f"batch size {batch_size} is larger than the training set")
+
+    print("... training")
+    best_validation_loss, test_score, best_params = np.inf, np.inf, model.get_params()
+    start_time = time.perf_counter()
+    for epoch in range(1, n_epochs + 1):
+        for minibatch_index in range(n_train_batches):
+            model.train_model(minibatch_index)
+        this_validation_loss = float(model.validate_model())
+        print(f"epoch {epoch}, minibatch {n_train_batches}/{n_train_batches}, "
+              f"validation error {this_validation_loss * 100.:f} %")
+        if this_validation_loss < best_validation_loss:
+            best_validation_loss = this_validation_loss
+            test_score = float(model.test_model())
+            best_params = model.get_params()
+    elapsed = time.perf_counter() - start_time
+    print(f"Optimization complete. Best validation score of {best_validation_loss * 100.:f} % "
+          f"with test performance {test_score * 100.:f} %")
+    print(f"The code ran for {n_epochs / elapsed:.2f} epochs/s "
+          f"({n_epochs * n_train_batches * batch_size / elapsed:,.0f} samples/s)")
+    if save:
+        save_checkpoint(save, model.get_params(), best_params, epoch=n_epochs,
+                        best_validation_error=best_validation_loss, test_error=test_score)
+    return best_validation_loss, test_score
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Train the tutorial's MLP on one process.")
+    parser.add_argument("--dataset", help="mnist.pkl.gz or a folder of IDX files "
+                        "(default: ./mnist.pkl.gz, else the shipped 5,000 digits)")
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=20)
+    parser.add_argument("--learning-rate", type=float, default=0.01)
+    parser.add_argument("--n-hidden", type=int, default=500)
+    parser.add_argument("--l1", type=float, default=0.0)
+    parser.add_argument("--l2", type=float, default=0.0001)
+    parser.add_argument("--seed", type=int, default=1234, help="weight initialisation seed")
+    parser.add_argument("--save", metavar="PATH", help="write the final model (.npz) here")
+    args = parser.parse_args(argv)
+    try:
+        test_mlp(args.learning_rate, args.l1, args.l2, args.epochs, args.dataset,
+                 args.batch_size, args.n_hidden, args.seed, args.save)
+    except datasets.DatasetError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
