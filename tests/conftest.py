@@ -1,0 +1,71 @@
+"""Shared helpers: the tests run the real scripts as real processes."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+
+
+def script(name, *args, env=None, timeout=600, cwd=ROOT):
+    """Run one of the repository's scripts to completion; returns CompletedProcess."""
+    return subprocess.run([sys.executable, str(ROOT / name), *map(str, args)], cwd=cwd,
+                          env=dict(os.environ, **(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def dual(*args, **kw):
+    return script("dual_mlp.py", *args, **kw)
+
+
+def start_dual(*args, env=None, cwd=ROOT):
+    """Start dual_mlp.py in its own process group, without waiting."""
+    return subprocess.Popen([sys.executable, str(ROOT / "dual_mlp.py"), *map(str, args)],
+                            cwd=cwd, env=dict(os.environ, **(env or {})), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def workers_of(launcher):
+    return [p for p in psutil.Process(launcher.pid).children()
+            if "--worker" in p.cmdline()]
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def leftover_workers():
+    """dual_mlp worker processes still alive (zombies included) anywhere."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if "--worker" in (p.info["cmdline"] or []) and any(
+                    c.endswith("dual_mlp.py") for c in p.info["cmdline"]):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.fixture
+def no_leftovers():
+    """Fail the test if it leaves a worker process or a run directory behind."""
+    before = set(Path("/dev/shm").glob("dual_mlp-*")) | set(Path("/tmp").glob("dual_mlp-*"))
+    yield
+    time.sleep(0.2)
+    assert leftover_workers() == []
+    after = set(Path("/dev/shm").glob("dual_mlp-*")) | set(Path("/tmp").glob("dual_mlp-*"))
+    assert after - before == set(), "run directory not removed"

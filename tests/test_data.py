@@ -1,0 +1,137 @@
+"""The three data sources, read through the same function as the demo."""
+import gzip
+import io
+import pickle
+import struct
+
+import numpy as np
+import pytest
+
+import datasets
+from conftest import FASHION
+
+
+def splits(n=(30, 20, 20), seed=0):
+    rng = np.random.RandomState(seed)
+    return tuple((rng.rand(k, 784).astype(np.float32), rng.randint(0, 10, k)) for k in n)
+
+
+class Python2Pickler(pickle._Pickler):
+    """Writes bytes as Python 2 ``str`` opcodes, as the 2014 mnist.pkl.gz has
+    them: Python 3 reads those back only with encoding='latin1'."""
+    dispatch = pickle._Pickler.dispatch.copy()
+
+    def save_py2_str(self, obj):
+        if len(obj) < 256:
+            self.write(pickle.SHORT_BINSTRING + bytes([len(obj)]) + obj)
+        else:
+            self.write(pickle.BINSTRING + struct.pack("<i", len(obj)) + obj)
+        self.memoize(obj)
+    dispatch[bytes] = save_py2_str
+
+
+def test_shipped_digits_are_real_mnist_in_the_classic_split():
+    (tx, ty), (vx, vy), (sx, sy) = datasets.read(datasets.SHIPPED)
+    assert [len(tx), len(vx), len(sx)] == [3000, 1000, 1000]
+    assert tx.dtype == np.float32 and ty.dtype == np.int32 and tx.shape[1] == 784
+    assert 0.0 == tx.min() and tx.max() == 1.0
+    for y in (ty, vy, sy):  # shuffled: every split holds every class
+        assert np.bincount(y, minlength=10).min() > 50
+    # digits, not noise: about a fifth of MNIST's pixels are ink
+    assert 0.1 < (tx > 0.5).mean() < 0.2
+
+
+def test_python2_pickle_loads(tmp_path):
+    data = splits()
+    buffer = io.BytesIO()
+    Python2Pickler(buffer, protocol=2).dump(data)
+    with pytest.raises(UnicodeDecodeError):  # really a Python 2 pickle
+        pickle.loads(buffer.getvalue())
+    path = tmp_path / "mnist.pkl.gz"
+    path.write_bytes(gzip.compress(buffer.getvalue()))
+    for (x, y), (x0, y0) in zip(datasets.read(str(path)), data):
+        np.testing.assert_array_equal(x, x0)
+        np.testing.assert_array_equal(y, y0)
+
+
+def write_idx(path, array):
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(
+        f">{array.ndim}I", *array.shape)
+    path.write_bytes(gzip.compress(header + array.astype(np.uint8).tobytes(), compresslevel=1))
+
+
+def idx_folder(folder, n_train=10050, n_test=40):
+    rng = np.random.RandomState(0)
+    images = {"train": rng.randint(0, 256, (n_train, 28, 28)),
+              "t10k": rng.randint(0, 256, (n_test, 28, 28))}
+    labels = {"train": rng.randint(0, 10, n_train), "t10k": rng.randint(0, 10, n_test)}
+    for kind in ("train", "t10k"):
+        write_idx(folder / f"{kind}-images-idx3-ubyte.gz", images[kind])
+        write_idx(folder / f"{kind}-labels-idx1-ubyte.gz", labels[kind])
+    return images, labels
+
+
+def test_idx_folder_loads_with_the_last_10000_training_images_for_validation(tmp_path):
+    images, labels = idx_folder(tmp_path)
+    (tx, ty), (vx, vy), (sx, sy) = datasets.read(str(tmp_path))
+    assert [len(tx), len(vx), len(sx)] == [50, 10000, 40]
+    np.testing.assert_allclose(vx[-1] * 255, images["train"][-1].ravel(), atol=1e-3)
+    np.testing.assert_array_equal(ty, labels["train"][:50])
+    np.testing.assert_array_equal(sy, labels["t10k"])
+
+
+@pytest.mark.skipif(not FASHION.exists(), reason="needs Debian's dataset-fashion-mnist "
+                    "(.ci/run installs it)")
+def test_fashion_mnist_from_debian_loads():
+    (tx, ty), (vx, vy), (sx, sy) = datasets.read(str(FASHION))
+    assert [len(tx), len(vx), len(sx)] == [50000, 10000, 10000]
+    assert np.bincount(sy).tolist() == [1000] * 10
+
+
+def test_download_would_verify_the_published_checksums():
+    """The download itself needs the internet, never used in tests; its
+    checksum table must name the four files it converts."""
+    assert sorted(datasets.MNIST_MD5) == sorted(datasets.IDX_FILES)
+    assert all(len(h) == 32 for h in datasets.MNIST_MD5.values())
+
+
+def corrupt_cases(tmp_path):
+    """(path, words the error must contain) for each kind of bad data set."""
+    good = gzip.compress(pickle.dumps(splits(), protocol=2))
+    cases = {}
+
+    def file(name, content):
+        path = tmp_path / name
+        path.write_bytes(content)
+        return str(path)
+    cases["not gzip"] = (file("plain.pkl.gz", pickle.dumps(splits())), "not a gzip file")
+    cases["truncated"] = (file("cut.pkl.gz", good[:len(good) // 2]), "truncated")
+    cases["structure"] = (file("two.pkl.gz", gzip.compress(pickle.dumps(splits()[:2]))),
+                          "expected ((train_x")
+    bad = list(splits())
+    bad[1] = (bad[1][0], bad[1][1] + 10)
+    cases["labels"] = (file("labels.pkl.gz", gzip.compress(pickle.dumps(tuple(bad)))),
+                       "labels must be integers in 0..9")
+    bad = list(splits())
+    bad[0] = (bad[0][0], bad[0][1][:-1])
+    cases["counts"] = (file("counts.pkl.gz", gzip.compress(pickle.dumps(tuple(bad)))),
+                       "30 images but 29 labels")
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    idx_folder(folder)
+    raw = gzip.decompress((folder / "t10k-images-idx3-ubyte.gz").read_bytes())
+    (folder / "t10k-images-idx3-ubyte.gz").write_bytes(gzip.compress(raw[:-784]))
+    cases["idx header"] = (str(folder), "IDX header says")
+    cases["missing"] = (str(tmp_path / "nothing-here"), "not found")
+    return cases
+
+
+def test_every_corrupt_data_set_raises_a_one_line_error(tmp_path):
+    for name, (path, words) in corrupt_cases(tmp_path).items():
+        if name == "missing":
+            with pytest.raises(datasets.DatasetError, match=words):
+                datasets.resolve(path)
+            continue
+        with pytest.raises(datasets.DatasetError) as e:
+            datasets.read(path)
+        assert words in str(e.value) and "\n" not in str(e.value), name

@@ -1,0 +1,100 @@
+"""dual_mlp.py end to end on the CPU: two real worker processes, real zmq
+sockets, the shipped MNIST digits."""
+import json
+
+import numpy as np
+import pytest
+
+import datasets
+import mlp
+from logistic_sgd import load_data
+from conftest import FASHION, dual, script
+
+SHAPES = mlp.parameter_shapes(784, 500, 10)
+
+
+def load(path):
+    return mlp.load_checkpoint(str(path), SHAPES)
+
+
+def test_two_workers_equal_one_process_with_twice_the_batch(tmp_path):
+    """The averaging identity: after each exchange both replicas hold the
+    weights one SGD step on the union of their two minibatches would give.
+    Worker k trains on minibatch 2t + k of size B; one process with batch 2B
+    trains on exactly those rows at step t."""
+    B, lr = 50, 0.13
+    out = dual("cpu", "cpu", "--batch-size", B, "--epochs", 2, "--learning-rate", lr,
+               "--save", tmp_path / "dual.npz")
+    assert out.returncode == 0, out.stderr
+    out = script("mlp.py", "--batch-size", 2 * B, "--epochs", 2, "--learning-rate", lr,
+                 "--save", tmp_path / "single.npz")
+    assert out.returncode == 0, out.stderr
+    (dual_params, _, dual_state), (single_params, _, _) = load(tmp_path / "dual.npz"), \
+        load(tmp_path / "single.npz")
+    assert dual_state["epoch"] == 2
+    start = mlp.Model(load_data(datasets.SHIPPED), 2 * B).get_params()
+    for a, b, p0 in zip(dual_params, single_params, start):
+        assert np.abs(b - p0).max() > 1e-3  # 60 steps moved them
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
+
+
+@pytest.mark.parametrize("avg", ["theano", "pycuda", "cpu"])
+def test_check_reports_identical_replicas(tmp_path, avg):
+    out = dual("cpu", "cpu", "--avg", avg, "--epochs", 1, "--check", "--json",
+               tmp_path / "run.json")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((tmp_path / "run.json").read_text())
+    assert summary["max_replica_diff"] == 0.0
+    assert summary["config"]["avg"] == avg
+    assert "max difference between the replicas after an exchange: 0" in out.stdout
+
+
+def test_default_run_on_the_shipped_digits_learns(tmp_path):
+    out = dual("--epochs", 4, "--json", tmp_path / "run.json", "--save", tmp_path / "m.npz")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any("using the 5,000 shipped MNIST digits" in line for line in lines)
+    assert any("batch size 100 per worker" in line for line in lines)
+    assert any("running both workers on the CPU" in line for line in lines)
+    epochs = [line for line in lines if line.startswith("epoch ")]
+    assert [line.split(",")[0] for line in epochs] == [f"epoch {e}" for e in range(1, 5)]
+    assert all("minibatch 15/15, validation error" in line for line in epochs)
+    summary = json.loads((tmp_path / "run.json").read_text())
+    errors = summary["validation_errors"]
+    assert len(errors) == 4 and errors[-1] < errors[0]
+    assert errors[-1] < 0.3 and summary["test_error"] < 0.3  # chance is 0.9
+    for key in ("wall_time_s", "samples_per_s", "exchange_us_per_step"):
+        assert summary[key] > 0
+    assert summary["config"]["batch_size"] == 100 and "max_replica_diff" not in summary
+    assert any(line.startswith("mean time per step: train") for line in lines)
+    params, best, state = load(tmp_path / "m.npz")
+    assert state["epoch"] == 4 and state["validation_errors"] == pytest.approx(errors)
+    assert state["best_validation_error"] == min(errors)
+
+
+@pytest.mark.skipif(not FASHION.exists(), reason="needs Debian's dataset-fashion-mnist")
+def test_runs_on_fashion_mnist_idx_files(tmp_path):
+    out = dual("cpu", "cpu", "--dataset", FASHION, "--batch-size", 2500, "--epochs", 1,
+               "--json", tmp_path / "run.json")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((tmp_path / "run.json").read_text())
+    assert summary["steps_per_epoch"] == 10
+    assert summary["validation_errors"][0] < 0.5
+
+
+def test_theano_flags_are_honoured_and_gpu_flags_only_warned_about(tmp_path):
+    out = dual("cpu", "cpu", "--epochs", 1, "--json", tmp_path / "run.json",
+               env={"THEANO_FLAGS": "mode=FAST_COMPILE,floatX=float32,device=cuda0"})
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("'device=cuda0' is a Theano-only flag") == 1
+    summary = json.loads((tmp_path / "run.json").read_text())
+    assert summary["backend"] == "VMLinker"  # FAST_COMPILE's, not the default Numba
+
+
+def test_tutorial_scripts_run_alone():
+    out = script("mlp.py", "--epochs", 1)
+    assert out.returncode == 0, out.stderr
+    assert "epoch 1, minibatch 150/150, validation error" in out.stdout
+    out = script("logistic_sgd.py", "--epochs", 2)
+    assert out.returncode == 0, out.stderr
+    assert "epoch 2, minibatch 30/30, validation error" in out.stdout

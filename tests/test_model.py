@@ -1,0 +1,96 @@
+"""The tutorial's model, in-process: gradients, and both PyTensor backends."""
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+import datasets
+import mlp
+import theano_flags
+from logistic_sgd import LogisticRegression, load_data, minibatch
+
+
+@pytest.fixture(scope="module")
+def data():
+    return load_data(datasets.SHIPPED)
+
+
+def test_mlp_cost_gradient_matches_finite_differences(data):
+    """pytensor.grad of the full cost (NLL + L1 + L2) against central
+    differences along random directions, in float64 (biases probed only
+    once they are away from L1's kink, as the weights are)."""
+    (train_x, train_y) = data[0]
+    x_val = train_x.get_value()[:64].astype(np.float64)
+    y_val = train_y.get_value()[:64]
+    with pytensor.config.change_flags(floatX="float64"):
+        x, y = pt.matrix("x"), pt.ivector("y")
+        model = mlp.MLP(np.random.RandomState(1), x, 784, 20, 10)
+        # nonzero output weights, so that every term has a gradient
+        model.logRegressionLayer.W.set_value(np.random.RandomState(2).normal(0, 0.1, (20, 10)))
+        cost = model.negative_log_likelihood(y) + 0.01 * model.L1 + 0.001 * model.L2_sqr
+        grads = pytensor.grad(cost, model.params)
+        f = pytensor.function([x, y], [cost] + grads, mode="FAST_COMPILE")
+    rng = np.random.RandomState(3)
+    _, *analytic = f(x_val, y_val)
+    start = [p.get_value() for p in model.params]
+    for _ in range(3):
+        # |w| has a kink at 0: keep the probe from crossing it
+        direction = [rng.normal(size=v.shape) * (np.abs(v) > 1e-3) for v in start]
+        eps, costs = 1e-6, []
+        for sign in (1, -1):
+            for p, v, d in zip(model.params, start, direction):
+                p.set_value(v + sign * eps * d)
+            costs.append(f(x_val, y_val)[0])
+        numeric = (costs[0] - costs[1]) / (2 * eps)
+        predicted = sum(float(np.sum(g * d)) for g, d in zip(analytic, direction))
+        assert abs(numeric - predicted) <= 1e-6 * max(1.0, abs(predicted))
+    # and a wrong gradient would be caught: dropping the L2 term's gradient is
+    assert abs(sum(float(np.sum(g * d)) for g, d in zip(analytic[1:], direction[1:]))
+               - predicted) > 1e-6
+
+
+@pytest.mark.parametrize("mode", [None, "JAX"])
+def test_logistic_regression_compiles_and_learns(data, mode):
+    (train_x, train_y), (valid_x, valid_y), _ = data
+    index, x, y = pt.lscalar(), pt.matrix("x"), pt.ivector("y")
+    clf = LogisticRegression(x, 784, 10)
+    cost = clf.negative_log_likelihood(y)
+    g_W, g_b = pytensor.grad(cost, [clf.W, clf.b])
+    train = pytensor.function([index], cost, mode=mode,
+                              updates=[(clf.W, clf.W - 0.13 * g_W), (clf.b, clf.b - 0.13 * g_b)],
+                              givens={x: minibatch(train_x, index, 100),
+                                      y: minibatch(train_y, index, 100)})
+    validate = pytensor.function([], clf.errors(y), mode=mode, givens={x: valid_x, y: valid_y})
+    assert float(validate()) > 0.8  # all-zero weights: one class for everything
+    first = float(train(0))
+    assert first == pytest.approx(np.log(10), rel=1e-5)  # uniform softmax over 10 classes
+    for i in range(30):
+        train(i)
+    assert float(validate()) < 0.25
+
+
+def test_default_and_jax_backends_take_the_same_first_steps(data):
+    """The first two steps (the first moves only the output layer, whose
+    weights start at zero; the second moves every parameter)."""
+    models = {mode: mlp.Model(data, 100, n_hidden=500, learning_rate=0.13, mode=mode)
+              for mode in (None, "JAX")}
+    for i in range(2):
+        costs = {mode: float(m.train_model(i)) for mode, m in models.items()}
+        assert costs[None] == pytest.approx(costs["JAX"], rel=1e-5)
+    before = mlp.Model(data, 100).get_params()
+    for p_default, p_jax, p0 in zip(models[None].get_params(), models["JAX"].get_params(),
+                                    before):
+        assert not np.array_equal(p_default, p0)
+        np.testing.assert_allclose(p_default, p_jax, rtol=1e-4, atol=1e-6)
+    assert float(models[None].validate_model()) == float(models["JAX"].validate_model())
+    assert float(models[None].test_model()) == float(models["JAX"].test_model())
+
+
+def test_theano_flags_are_mapped_onto_pytensor_flags():
+    flags, warnings = theano_flags.to_pytensor("mode=FAST_RUN,floatX=float64,device=cuda0")
+    assert flags == "mode=FAST_RUN,floatX=float64"
+    assert len(warnings) == 1 and "device=cuda0" in warnings[0]
+    flags, _ = theano_flags.to_pytensor("mode=DEBUG_MODE", "optimizer=fast_compile")
+    assert flags == "mode=DebugMode,optimizer=fast_compile,floatX=float32"
+    assert theano_flags.to_pytensor("")[0] == "floatX=float32"
+    assert pytensor.config.floatX == "float32"
