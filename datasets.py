@@ -159,7 +159,8 @@ def read_idx_folder(folder):
 def atomic_write(path):
     """Open a temporary file beside ``path`` for writing and move it into
     place only once it is complete: a crash leaves the old file intact."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                               prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             yield f

@@ -50,7 +50,7 @@ import pytensor
 
 import datasets
 import mlp
-from exchange import CudaDevice, HostDevice, Layout, Peer, PeerError
+from exchange import CudaDevice, HostDevice, Interrupted, Layout, Peer, PeerError
 from logistic_sgd import load_data
 
 # -----------------------------------------------------------------------------
@@ -117,7 +117,7 @@ def parse_args(argv=None):
                    help="mnist.pkl.gz or a folder of MNIST-format IDX files, e.g. "
                         "/usr/share/datasets/fashion-mnist (default: ./mnist.pkl.gz if "
                         "present, else the 5,000 digits shipped in data/)")
-    p.add_argument("--avg", choices=("theano", "pycuda", "cpu"), default="pycuda",
+    p.add_argument("--avg", choices=("theano", "pycuda", "cpu"), default="theano",
                    help="how to average: 'theano' a compiled PyTensor function; 'pycuda' "
                         "in place on the buffers (a CUDA kernel on GPUs, NumPy on the CPU); "
                         "'cpu' through host memory (default: %(default)s)")
@@ -423,7 +423,7 @@ def worker(rank, rundir):
         # The handshake: swap buffer handles once, and check that both
         # replicas start from the same weights.
         fault_point(rank, "start")
-        peer = Peer(rundir, rank, args.timeout, device.spin)
+        peer = Peer(rundir, rank, args.timeout, stopping, device.spin)
         cleanup.callback(peer.close)
         start = float(sum(device.to_host(storage(p)).sum(dtype=np.float64)
                           for p in model.params))
@@ -440,6 +440,8 @@ def worker(rank, rundir):
         for epoch in range(state["epoch"] + 1, args.epochs + 1):
             epoch_time = 0.0
             for step in range(n_steps):
+                if stopping.is_set():
+                    raise Interrupted
                 t0 = time.perf_counter()
                 fault_point(rank, "train")
                 model.train_model(2 * step + rank)            # 1. my own minibatch
@@ -514,16 +516,33 @@ def worker(rank, rundir):
                 f.write(json.dumps(summary, indent=2).encode())
 
 
+# Set by SIGINT (Ctrl-C) or SIGTERM (the launcher stopping us).  The worker
+# stops at the next step or while it waits for its peer, never inside a
+# compiled call or a checkpoint write, and unwinds: buffers, IPC mappings
+# and sockets are closed on the way out.
+stopping = threading.Event()
+
+
+def request_stop(signum, frame):
+    stopping.signum = signum
+    stopping.set()
+
+
 def run_worker(rank, rundir):
+    launcher = os.getppid()
     die_with_parent()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: buffers closed
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
     try:
         worker(rank, rundir)
+    except Interrupted:
+        sys.exit(128 + stopping.signum)
     except (PeerError, mlp.CheckpointError, datasets.DatasetError) as e:
         print(f"worker {rank}: error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    finally:
+        if os.getppid() != launcher:  # the launcher died: nobody else will clean up
+            shutil.rmtree(rundir, ignore_errors=True)
 
 
 def main(argv=None):

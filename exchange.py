@@ -43,17 +43,22 @@ class PeerError(Exception):
     """The other worker stalled, vanished or disagreed; one line of message."""
 
 
+class Interrupted(Exception):
+    """This worker was asked to stop (SIGINT or SIGTERM) while it waited."""
+
+
 class Peer:
     """The zmq link to the other worker: worker 0 binds, worker 1 connects."""
 
-    def __init__(self, rundir, rank, timeout, spin=0.0):
+    def __init__(self, rundir, rank, timeout, stopping, spin=0.0):
         """
         :param timeout: seconds to wait for the peer at any barrier
+        :param stopping: a threading.Event; set, it ends any wait
         :param spin: seconds to poll without sleeping before blocking; a
             wake-up from a blocking wait costs tens of microseconds, which
             matters next to a GPU step but would steal a CPU worker's core
         """
-        self.rank, self.timeout, self.spin = rank, timeout, spin
+        self.rank, self.timeout, self.stopping, self.spin = rank, timeout, stopping, spin
         self.barriers = 0
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.PAIR)
@@ -71,9 +76,13 @@ class Peer:
                 return self.socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 pass
-        if not self.socket.poll(self.timeout * 1000):
-            raise PeerError(f"worker {1 - self.rank} did not reach {what} within "
-                            f"{self.timeout:g} s (see --timeout)")
+        deadline = time.monotonic() + self.timeout
+        while not self.socket.poll(100):  # in slices, to notice a stop request
+            if self.stopping.is_set():
+                raise Interrupted
+            if time.monotonic() > deadline:
+                raise PeerError(f"worker {1 - self.rank} did not reach {what} within "
+                                f"{self.timeout:g} s (see --timeout)")
         return self.socket.recv()
 
     def exchange(self, obj, what="the handshake"):

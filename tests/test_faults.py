@@ -1,0 +1,195 @@
+"""A run never hangs and never loses its work: real processes, real signals."""
+import glob
+import json
+import os
+import shutil
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import datasets
+import mlp
+from conftest import dual, start_dual, wait_for, workers_of
+from test_data import corrupt_cases
+
+SHAPES = mlp.parameter_shapes(784, 500, 10)
+
+
+def wait_until_training(proc, timeout=120):
+    """Read the launcher's output until worker 0 says it is training."""
+    for line in proc.stdout:
+        if line.startswith("... training"):
+            return
+    raise AssertionError(f"run ended before training: {proc.stderr.read()}")
+
+
+def finish(proc, timeout):
+    """Wait for the launcher; returns (exit code, seconds it took, stderr)."""
+    start = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except Exception:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"launcher still running after {timeout} s")
+    return proc.returncode, time.monotonic() - start, err
+
+
+@pytest.mark.parametrize("fault,cause", [
+    ("1:start:raise", "RuntimeError: fault injected at start"),
+    ("0:train:kill", "killed by SIGKILL"),
+    ("1:train:raise", "RuntimeError: fault injected at train"),
+    ("1:exchange:kill", "killed by SIGKILL"),
+    ("0:exchange:oom", "Unable to allocate"),
+])
+def test_a_dying_worker_stops_the_run_and_is_named(no_leftovers, fault, cause):
+    out = dual("cpu", "cpu", "--epochs", 3, env={"DUAL_MLP_FAULT": fault}, timeout=120)
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    rank = fault.split(":")[0]
+    assert last.startswith(f"error: worker {rank} (device cpu) failed: ") and cause in last
+
+
+def test_launcher_stops_within_10_s_of_a_worker_killed_from_outside(no_leftovers):
+    proc = start_dual("cpu", "cpu", "--epochs", 1000)
+    wait_until_training(proc)
+    victim = workers_of(proc)[1]
+    survivor = workers_of(proc)[0]
+    victim.send_signal(signal.SIGKILL)
+    code, took, err = finish(proc, timeout=10)
+    assert code == 1 and took < 10
+    assert "failed: killed by SIGKILL" in err.splitlines()[-1]
+    assert not survivor.is_running()
+    print(f"launcher stopped {took:.2f} s after the worker was killed")
+
+
+def test_a_stalled_peer_is_reported_after_the_timeout(no_leftovers):
+    proc = start_dual("cpu", "cpu", "--epochs", 1000, "--timeout", 2)
+    wait_until_training(proc)
+    workers_of(proc)[1].send_signal(signal.SIGSTOP)
+    code, took, err = finish(proc, timeout=15)
+    assert code == 1
+    assert "worker 1 did not reach barrier" in err and "within 2 s" in err
+
+
+@pytest.mark.parametrize("target", ["group", "launcher"])
+def test_ctrl_c_stops_everything_and_keeps_the_checkpoint(tmp_path, no_leftovers, target):
+    ckpt = tmp_path / "m.npz"
+    proc = start_dual("cpu", "cpu", "--epochs", 1000, "--save", ckpt)
+    wait_until_training(proc)
+    wait_for(ckpt.exists, 60, "a first checkpoint")
+    time.sleep(0.3)
+    if target == "group":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT)
+    code, took, err = finish(proc, timeout=5)
+    assert code == 130 and took < 5
+    assert f"interrupted; last checkpoint kept in {ckpt}" in err
+    assert "Traceback" not in err
+    _, _, state = mlp.load_checkpoint(str(ckpt), SHAPES)
+    assert state["epoch"] >= 1
+
+
+def test_killing_the_launcher_takes_its_workers_along(no_leftovers):
+    proc = start_dual("cpu", "cpu", "--epochs", 1000)
+    wait_until_training(proc)
+    workers = workers_of(proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    wait_for(lambda: not any(w.is_running() and w.status() != "zombie" for w in workers),
+             10, "the orphaned workers to stop")
+
+
+def test_two_runs_at_once_both_succeed(tmp_path, no_leftovers):
+    runs = [start_dual("cpu", "cpu", "--epochs", 2, "--json", tmp_path / f"{i}.json")
+            for i in range(2)]
+    for run in runs:
+        code, _, err = finish(run, timeout=300)
+        assert code == 0, err
+    for i in range(2):
+        assert json.loads((tmp_path / f"{i}.json").read_text())["epochs_run"] == 2
+
+
+def bad_requests(tmp_path):
+    yield ["gpu0", "gpu1"], "unknown device 'gpu0'"
+    yield ["0", "1"], "GPU asked for, but none is usable"
+    yield ["cpu", "cpu", "--batch-size", "1501"], "batch size 1501 is too large"
+    for option in ("--epochs", "--batch-size", "--n-hidden"):
+        yield ["cpu", "cpu", option, "0"], f"argument {option}: must be positive"
+    yield ["cpu", "cpu", "--learning-rate", "-0.1"], "argument --learning-rate: must be positive"
+    yield ["cpu", "cpu", "--epochs", "ten"], "invalid int value"
+    for name, (path, words) in corrupt_cases(tmp_path).items():
+        yield ["cpu", "cpu", "--dataset", path], words
+    yield ["cpu", "cpu", "--resume", tmp_path / "none.npz"], "checkpoint not found"
+    (tmp_path / "junk.npz").write_bytes(b"junk")
+    yield ["cpu", "cpu", "--resume", tmp_path / "junk.npz"], "not a readable checkpoint"
+
+
+def test_bad_input_gets_one_line_exit_2_and_starts_nothing(tmp_path, no_leftovers):
+    if __import__("dual_mlp").usable_gpus()[0]:
+        pytest.skip("the no-GPU errors need a machine without a usable GPU (see test_gpu.py)")
+    for args, words in bad_requests(tmp_path):
+        out = dual(*args, timeout=60)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2, (args, out.stderr)
+        assert len(lines) == 1 and words in lines[0], (args, out.stderr)
+        assert "... building" not in out.stdout, args  # no worker was started
+
+
+def test_checkpoint_writes_are_atomic(tmp_path):
+    path = tmp_path / "m.npz"
+    params = [np.full(s, 1.0, np.float32) for s in SHAPES]
+    mlp.save_checkpoint(str(path), params, params, epoch=1)
+
+    class Crash(Exception):
+        pass
+    with pytest.raises(Crash):
+        with datasets.atomic_write(str(path)) as f:
+            f.write(b"half a checkpoint")
+            raise Crash
+    current, _, state = mlp.load_checkpoint(str(path), SHAPES)
+    assert state["epoch"] == 1 and all((p == 1.0).all() for p in current)
+    assert os.listdir(tmp_path) == ["m.npz"]  # no temporary file left behind
+
+
+def run_directories():
+    return set(glob.glob("/dev/shm/dual_mlp-*")) | set(glob.glob("/tmp/dual_mlp-*"))
+
+
+def test_a_run_killed_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):
+    ckpt = tmp_path / "m.npz"
+    before = run_directories()
+    for delay in (0.05, 0.17, 0.31):  # checkpoints are written every ~0.3 s here
+        proc = start_dual("cpu", "cpu", "--epochs", 1000, "--save", ckpt)
+        wait_until_training(proc)
+        wait_for(ckpt.exists, 60, "a checkpoint")
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGKILL)  # launcher and workers at once, mid-write maybe
+        proc.communicate()
+        _, _, state = mlp.load_checkpoint(str(ckpt), SHAPES)
+        assert state["epoch"] >= 1
+        # a write cut short leaves at most its hidden temporary beside the checkpoint
+        assert all(p.name == "m.npz" or p.name.startswith(".m.npz.") for p in tmp_path.iterdir())
+    for leftover in run_directories() - before:  # nobody was left alive to remove it
+        shutil.rmtree(leftover)
+
+
+def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(tmp_path):
+    out = dual("cpu", "cpu", "--epochs", 4, "--save", tmp_path / "full.npz")
+    assert out.returncode == 0, out.stderr
+    out = dual("cpu", "cpu", "--epochs", 2, "--save", tmp_path / "half.npz")
+    assert out.returncode == 0, out.stderr
+    out = dual("cpu", "cpu", "--epochs", 4, "--resume", tmp_path / "half.npz", "--save",
+               tmp_path / "resumed.npz")
+    assert out.returncode == 0, out.stderr
+    assert "resumed from" in out.stdout and "epoch 3," in out.stdout and "epoch 1," not in out.stdout
+    full, full_best, full_state = mlp.load_checkpoint(str(tmp_path / "full.npz"), SHAPES)
+    resumed, res_best, res_state = mlp.load_checkpoint(str(tmp_path / "resumed.npz"), SHAPES)
+    for a, b in zip(full + full_best, resumed + res_best):
+        np.testing.assert_array_equal(a, b)
+    assert full_state == res_state
+    out = dual("cpu", "cpu", "--epochs", 4, "--resume", tmp_path / "full.npz")
+    assert out.returncode == 2 and "already at epoch 4" in out.stderr
