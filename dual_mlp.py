@@ -129,6 +129,9 @@ def parse_args(argv=None):
                    "far the replicas differ (max_replica_diff; costs one more exchange)")
     p.add_argument("--seed", type=int, default=SEED,
                    help="weight initialisation seed (default: %(default)s)")
+    p.add_argument("--staged", action="store_true",
+                   help="GPUs: copy the weights through host memory, the fallback used "
+                        "where the two GPUs cannot reach each other's memory")
     p.add_argument("--timeout", type=positive(float), default=TIMEOUT,
                    help="seconds a worker waits for its peer at a barrier before it gives "
                         "up (default: %(default)s)")
@@ -179,13 +182,25 @@ def choose_devices(requested):
     return requested, None
 
 
+def peer_access(a, b):
+    """Can GPU a read GPU b's memory directly (NVLink or PCIe peer-to-peer)?"""
+    import pycuda.driver as drv
+    return a == b or drv.Device(a).can_access_peer(drv.Device(b))
+
+
 def check_request(args):
     """Resolve defaults and check every input; returns the notices to print."""
     notices = []
     args.devices, notice = choose_devices(args.devices)
     notices.append(notice)
-    if args.devices[0] != "cpu" and pytensor.config.floatX != "float32":
-        raise UsageError("the GPU path runs in float32: drop floatX from the flags")
+    if args.devices[0] != "cpu":
+        if pytensor.config.floatX != "float32":
+            raise UsageError("the GPU path runs in float32: drop floatX from the flags")
+        a, b = map(int, args.devices)
+        if not args.staged and not peer_access(a, b):
+            notices.append(f"warning: GPUs {a} and {b} cannot access each other's memory: "
+                           "the weights go through host memory (slower, same numbers)")
+            args.staged = True
     args.dataset, notice = datasets.resolve(args.dataset)
     notices.append(notice)
     n_train = len(datasets.read(args.dataset)[0][0])
@@ -218,9 +233,11 @@ def worker_environment(dev):
         env.update(JAX_PLATFORMS="cpu", OMP_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads,
                    MKL_NUM_THREADS=threads, NUMBA_NUM_THREADS=threads)
     else:
-        # JAX sees only this worker's GPU and takes memory as it needs it (two
-        # workers can share a GPU); PyCUDA still sees every GPU, for the peer copy
-        env.update(JAX_PLATFORMS="cuda", JAX_CUDA_VISIBLE_DEVICES=dev,
+        # the worker sees its own GPU only; JAX takes memory as it needs it,
+        # not 75% up front, so that two workers can share a GPU
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpu = visible.split(",")[int(dev)] if visible else dev
+        env.update(CUDA_VISIBLE_DEVICES=gpu, JAX_PLATFORMS="cuda",
                    XLA_PYTHON_CLIENT_PREALLOCATE="false")
     return env
 
@@ -315,6 +332,28 @@ def place(shared, value):
     shared.container.storage[0] = value
 
 
+class StepClock:
+    """Sums the time between laps under each lap's name.  A barrier's time is
+    split in two: the barrier itself, and waiting for a peer that arrived
+    later (which a faster worker does whatever the exchange costs)."""
+
+    def __init__(self):
+        self.totals = collections.defaultdict(float)
+        self.last = time.perf_counter()
+
+    def start(self):
+        self.last = time.perf_counter()
+
+    def lap(self, name, waited=0.0):
+        now = time.perf_counter()
+        self.totals[name] += now - self.last - waited
+        self.totals["waiting"] += waited
+        self.last = now
+
+    def total(self):
+        return sum(self.totals.values())
+
+
 def make_average(kind, params, peer_weights, layout, transport, device):
     """The ``--avg`` variants; each sets every parameter to (mine + peer's) / 2."""
     if kind == "theano":
@@ -402,8 +441,7 @@ def worker(rank, rundir):
             place(p, device.put(storage(p)))
 
         layout = Layout([storage(p).shape for p in model.params], pytensor.config.floatX)
-        transport = device.transport(rundir, rank, layout,
-                                     None if peer_dev == "cpu" else int(peer_dev))
+        transport = device.transport(rundir, rank, layout, args.staged)
         cleanup.callback(transport.close)
         peer_weights = pytensor.shared(np.zeros(layout.size, layout.dtype), name="peer")
         place(peer_weights, transport.recv)
@@ -434,36 +472,35 @@ def worker(rank, rundir):
 
         n_steps = model.n_train_batches // 2
         log(f"... training: {n_steps} steps per epoch on each worker, {args.batch_size} "
-            f"examples per worker per step, devices {dev} and {peer_dev}, --avg {args.avg}")
-        totals = dict(train=0.0, exchange=0.0, average=0.0)
+            f"examples per worker per step, devices {dev} and {peer_dev}, --avg {args.avg}, "
+            f"weights through {transport.route}")
+        clock = StepClock()
         max_diff, steps_run, start_time = 0.0, 0, time.perf_counter()
         for epoch in range(state["epoch"] + 1, args.epochs + 1):
-            epoch_time = 0.0
+            epoch_start = clock.total()
             for step in range(n_steps):
                 if stopping.is_set():
                     raise Interrupted
-                t0 = time.perf_counter()
+                clock.start()
                 fault_point(rank, "train")
                 model.train_model(2 * step + rank)            # 1. my own minibatch
                 values = [storage(p) for p in model.params]
                 device.wait(values)
-                t1 = time.perf_counter()
+                clock.lap("train")
                 transport.publish(values)                     # 2. into my send buffer
-                peer.barrier()                                # 3. both published
+                clock.lap("publish")
+                clock.lap("barrier", waited=peer.barrier())   # 3. both published
                 fault_point(rank, "exchange")
                 transport.fetch()                             # 4. the peer's, into recv
-                peer.barrier()                                # 5. both copied
-                t2 = time.perf_counter()
+                clock.lap("copy")
+                clock.lap("barrier", waited=peer.barrier())   # 5. both copied
                 average()                                     # 6. (mine + peer's) / 2
                 device.wait([storage(p) for p in model.params])
-                t3 = time.perf_counter()
-                totals["train"] += t1 - t0
-                totals["exchange"] += t2 - t1
-                totals["average"] += t3 - t2
-                epoch_time += t3 - t0
+                clock.lap("average")
                 if args.check:
                     max_diff = max(max_diff, replica_diff(model, transport, peer, layout, device))
             steps_run += n_steps
+            epoch_time = clock.total() - epoch_start
 
             if rank == 0:
                 this_validation_error = float(model.validate_model())
@@ -483,8 +520,10 @@ def worker(rank, rundir):
         if rank != 0:
             return
         wall = time.perf_counter() - start_time
-        step_ms = {k: 1000 * v / max(steps_run, 1) for k, v in totals.items()}
-        samples_per_s = 2 * steps_run * args.batch_size / max(sum(totals.values()), 1e-12)
+        step_us = {k: 1e6 * v / steps_run for k, v in clock.totals.items()}
+        step_us["exchange"] = sum(step_us[k] for k in ("publish", "barrier", "waiting", "copy"))
+        step_ms = {k: step_us[k] / 1000 for k in ("train", "exchange", "average")}
+        samples_per_s = 2 * steps_run * args.batch_size / clock.total()
         log(f"Optimization complete. Best validation score of "
             f"{state['best_validation_error'] * 100.:f} % with test performance "
             f"{state['test_error'] * 100.:f} %")
@@ -492,6 +531,8 @@ def worker(rank, rundir):
             f"{samples_per_s:,.0f} samples/s (both workers)")
         log("mean time per step: train {train:.3f} ms, exchange {exchange:.3f} ms, "
             "average {average:.3f} ms".format(**step_ms))
+        log("exchange = publish {publish:.0f} us + barriers {barrier:.0f} us + waiting for the "
+            "peer {waiting:.0f} us + copy {copy:.0f} us".format(**step_us))
         if args.check:
             log(f"max difference between the replicas after an exchange: {max_diff:g}")
         if args.json:
@@ -508,8 +549,8 @@ def worker(rank, rundir):
                 best_validation_error=state["best_validation_error"],
                 test_error=state["test_error"], epochs_run=steps_run // n_steps,
                 steps_per_epoch=n_steps, wall_time_s=wall, samples_per_s=samples_per_s,
-                step_ms=step_ms, exchange_us_per_step=1000 * step_ms["exchange"],
-                average_us_per_step=1000 * step_ms["average"])
+                step_ms=step_ms, step_us=step_us, exchange_us_per_step=step_us["exchange"],
+                average_us_per_step=step_us["average"])
             if args.check:
                 summary["max_replica_diff"] = max_diff
             with datasets.atomic_write(args.json) as f:

@@ -33,6 +33,8 @@ each parameter sits in it.
 import os
 import pickle
 import platform
+import shutil
+import struct
 import time
 
 import numpy as np
@@ -91,14 +93,17 @@ class Peer:
         return pickle.loads(self._recv(what))
 
     def barrier(self):
-        """Return once both workers have called it as often as each other."""
+        """Return once both workers have called it as often as each other,
+        with the seconds spent waiting because the peer arrived later (both
+        stamp their arrival on the machine-wide monotonic clock)."""
         self.barriers += 1
-        tag = b"%d" % self.barriers
-        self.socket.send(tag)
-        other = self._recv(f"barrier {self.barriers}")
-        if other != tag:
+        arrived = time.perf_counter()
+        self.socket.send(struct.pack("<qd", self.barriers, arrived))
+        count, peer_arrived = struct.unpack("<qd", self._recv(f"barrier {self.barriers}"))
+        if count != self.barriers:
             raise PeerError(f"workers out of step: at barrier {self.barriers}, "
-                            f"the peer is at {other.decode()}")
+                            f"the peer is at {count}")
+        return max(0.0, peer_arrived - arrived)
 
     def close(self):
         self.socket.close(linger=0)
@@ -143,7 +148,7 @@ class HostDevice:
             np.add(mine, theirs, out=mine)
             mine *= 0.5
 
-    def transport(self, rundir, rank, layout, peer_device):
+    def transport(self, rundir, rank, layout, staged):
         return HostTransport(rundir, rank, layout, self)
 
     def close(self):
@@ -153,10 +158,12 @@ class HostDevice:
 class CudaDevice:
     """A worker bound to one GPU.
 
-    JAX was restricted to this GPU before it started (``JAX_CUDA_VISIBLE_DEVICES``,
-    set by the launcher), so this process takes no memory on any other.
-    PyCUDA retains the same device's primary context: pointers from JAX
-    arrays are valid in PyCUDA, and the reverse.
+    The launcher started this process with ``CUDA_VISIBLE_DEVICES`` naming
+    only its GPU, so JAX and PyCUDA both see it as device 0 and this process
+    takes no memory on any other GPU.  (A CUDA IPC handle still opens memory
+    of a GPU the process cannot see.)  PyCUDA retains the device's primary
+    context, the one JAX uses: pointers from JAX arrays are valid in PyCUDA,
+    and the reverse.
     """
 
     mode = "JAX"
@@ -167,15 +174,19 @@ class CudaDevice:
         import pycuda.driver as drv
         from pycuda.compiler import SourceModule
 
-        self.jax, self.drv, self.index, self.name = jax, drv, index, f"cuda{index}"
+        self.jax, self.drv, self.name = jax, drv, f"cuda{index}"
+        # full float32 matrix products (JAX may otherwise round them to TF32),
+        # so that the GPU path follows the CPU path's numbers
+        jax.config.update("jax_default_matmul_precision", "highest")
         (self.jax_device,) = jax.devices()  # creates JAX's context on our GPU
         drv.init()
-        self.description = drv.Device(index).name()
-        self.context = drv.Device(index).retain_primary_context()
+        self.description = drv.Device(0).name()
+        self.context = drv.Device(0).retain_primary_context()
         self.context.push()
         self.stream = drv.Stream()
         # One small kernel, launched once per parameter: mine = (mine + peer) / 2.
-        self._average = SourceModule("""
+        nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+        self._average = SourceModule(nvcc=nvcc, source="""
             __global__ void average(float *mine, const float *peer, unsigned n) {
                 for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
                      i += blockDim.x * gridDim.x)
@@ -187,7 +198,12 @@ class CudaDevice:
         return self.jax.device_put(np.asarray(array), self.jax_device)
 
     def to_host(self, value):
-        return np.asarray(value)
+        """A fresh host copy.  Not np.asarray: a jax.Array caches its first host
+        copy, and PyCUDA writes the receive buffer behind JAX's back."""
+        self.jax.block_until_ready(value)
+        host = np.empty(value.shape, value.dtype)
+        self.drv.memcpy_dtoh(host, self.pointer(value))
+        return host
 
     def wait(self, values):
         self.jax.block_until_ready(values)
@@ -207,13 +223,10 @@ class CudaDevice:
                                               base + offset * itemsize, np.uint32(n))
         self.stream.synchronize()
 
-    def can_reach(self, other_index):
-        drv = self.drv
-        return other_index == self.index or drv.Device(self.index).can_access_peer(
-            drv.Device(other_index))
-
-    def transport(self, rundir, rank, layout, peer_device):
-        if os.environ.get("DUAL_MLP_STAGED") or not self.can_reach(peer_device):
+    def transport(self, rundir, rank, layout, staged):
+        """Peer to peer, or ``staged`` through host memory: the launcher
+        chooses, by whether the two GPUs can reach each other's memory."""
+        if staged:
             return StagedCudaTransport(rundir, rank, layout, self)
         return CudaIpcTransport(layout, self)
 
@@ -225,6 +238,8 @@ class CudaDevice:
 class HostTransport:
     """CPU weights through host memory: a file in the run directory, mapped
     by both workers, stands in for a CUDA IPC buffer; its path is the handle."""
+
+    route = "host memory"
 
     def __init__(self, rundir, rank, layout, device):
         self.layout, self.device = layout, device
@@ -256,6 +271,8 @@ class CudaIpcTransport:
     address never moves (JAX writes every step's weights to new buffers)
     and one IPC handle serves the whole run.  The receive buffer is a JAX
     array, so the compiled averaging function can read it directly."""
+
+    route = "CUDA IPC, peer to peer"
 
     def __init__(self, layout, device):
         self.layout, self.device = layout, device
@@ -293,6 +310,8 @@ class CudaIpcTransport:
 class StagedCudaTransport(HostTransport):
     """The fallback for two GPUs without peer access: each worker copies its
     weights down into its mapped host file, the peer copies them up."""
+
+    route = "host memory (staged)"
 
     def publish(self, values):
         for view, value in zip(self.send_views, values):

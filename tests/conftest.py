@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-FASHION = Path("/usr/share/datasets/fashion-mnist")
+FASHION = Path(os.environ.get("FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
 
 
 def script(name, *args, env=None, timeout=600, cwd=ROOT):

@@ -82,8 +82,9 @@ def test_default_and_jax_backends_take_the_same_first_steps(data):
                                     before):
         assert not np.array_equal(p_default, p0)
         np.testing.assert_allclose(p_default, p_jax, rtol=1e-4, atol=1e-6)
-    assert float(models[None].validate_model()) == float(models["JAX"].validate_model())
-    assert float(models[None].test_model()) == float(models["JAX"].test_model())
+    for f in ("validate_model", "test_model"):  # float64 in one, float32 in the other
+        assert float(getattr(models[None], f)()) == pytest.approx(
+            float(getattr(models["JAX"], f)()), rel=1e-6)
 
 
 def test_theano_flags_are_mapped_onto_pytensor_flags():

@@ -1,0 +1,49 @@
+"""What every benchmark script records beside its figures: when, where, how."""
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+
+
+def machine():
+    """The GPUs (nvidia-smi) and their link matrix, or the CPU where there is none."""
+    def ask(*cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+        except OSError:
+            return None
+    return dict(host=platform.node(), cpu=platform.processor() or platform.machine(),
+                python=platform.python_version(), gpus=ask("nvidia-smi", "-L"),
+                topology=ask("nvidia-smi", "topo", "-m"),
+                driver=ask("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"))
+
+
+def record(name, out_dir, **results):
+    """Write ``<out_dir>/<name>.json`` with the date, machine and command line."""
+    os.makedirs(out_dir, exist_ok=True)
+    document = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    command=shlex.join(["python"] + [os.path.relpath(sys.argv[0], ROOT)]
+                                       + sys.argv[1:]),
+                    machine=machine(), **results)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(document, f, indent=2)
+    print(f"wrote {path}")
+    return path
+
+
+def dual_mlp(*args, json_path, env=None):
+    """Run dual_mlp.py to completion and return its --json summary."""
+    cmd = [sys.executable, os.path.join(ROOT, "dual_mlp.py"), *map(str, args), "--json", json_path]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, **(env or {})))
+    if out.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    with open(json_path) as f:
+        return json.load(f)

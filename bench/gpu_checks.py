@@ -1,0 +1,38 @@
+"""Run the GPU tests (pytest -m gpu) on this machine and record the outcome.
+
+    python bench/gpu_checks.py [--out bench/results]
+
+Writes gpu_checks.json (date, machine, command, pass/fail counts, each test's
+outcome) and gpu_checks.log (pytest's own output)."""
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+from common import RESULTS, ROOT, record
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=RESULTS, help="folder for the results")
+    args = parser.parse_args()
+    pytest = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-s", "-p", "no:cacheprovider",
+              "-o", "timeout=240"]
+    out = subprocess.run(pytest + ["tests/test_gpu.py"], cwd=ROOT, capture_output=True, text=True)
+    log = out.stdout + out.stderr
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_checks.log"), "w") as f:
+        f.write(log)
+    outcomes = dict(re.findall(r"^(tests/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", log, re.M))
+    counts = {k: len([v for v in outcomes.values() if v == k.upper()])
+              for k in ("passed", "failed", "skipped", "error")}
+    record("gpu_checks", args.out, pytest=" ".join(pytest[1:]), returncode=out.returncode,
+           counts=counts, tests=outcomes,
+           notes=re.findall(r"^.*launcher stopped .*$", log, re.M))
+    print(log[-2000:])
+    sys.exit(out.returncode)
+
+
+if __name__ == "__main__":
+    main()

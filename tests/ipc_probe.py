@@ -1,0 +1,51 @@
+"""One side of a two-process weight exchange, for test_gpu.py.
+
+    python tests/ipc_probe.py RANK RUNDIR GPU [--staged]
+
+Publishes the MLP's parameter shapes filled with this rank's random numbers,
+fetches the peer's through the real transport, and exits 0 only if every
+value arrived bit for bit (three rounds, the send buffers reused)."""
+import os
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np  # noqa: E402
+
+import mlp  # noqa: E402
+from exchange import CudaDevice, Layout, Peer  # noqa: E402
+
+
+def arrays(rank, round_):
+    rng = np.random.RandomState(100 * rank + round_)
+    return [rng.standard_normal(s).astype(np.float32) for s in mlp.parameter_shapes(784, 500, 10)]
+
+
+def main():
+    rank, rundir, gpu = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    device = CudaDevice(gpu)  # started with CUDA_VISIBLE_DEVICES=gpu, as a worker is
+    layout = Layout(mlp.parameter_shapes(784, 500, 10), np.float32)
+    transport = device.transport(rundir, rank, layout, "--staged" in sys.argv)
+    peer = Peer(rundir, rank, 60, threading.Event())
+    try:
+        transport.connect(peer.exchange(transport.handle()))
+        for round_ in range(3):
+            values = [device.put(a) for a in arrays(rank, round_)]
+            device.wait(values)
+            transport.publish(values)
+            peer.barrier()
+            transport.fetch()
+            peer.barrier()
+            got = layout.views(device.to_host(transport.recv))
+            for shape, a, b in zip(layout.shapes, got, arrays(1 - rank, round_)):
+                if not np.array_equal(a, b):
+                    sys.exit(f"round {round_}: parameter of shape {shape} differs")
+    finally:
+        peer.close()
+        transport.close()
+        device.close()
+    print(f"rank {rank}: {type(transport).__name__} exact for {layout.shapes}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The GPU path, on real GPUs (run by bench/gpu_checks.py on the two-GPU
+machine); skipped where no GPU is usable."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+import mlp
+from conftest import FASHION, ROOT, dual, start_dual, wait_for, workers_of
+from dual_mlp import usable_gpus, worker_environment
+from test_faults import finish, wait_until_training
+
+N_GPUS = usable_gpus()[0]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(N_GPUS == 0, reason="no usable GPU (PyCUDA + JAX with CUDA)")]
+PAIR = ["0", "1"] if N_GPUS >= 2 else ["0", "0"]
+SHAPES = mlp.parameter_shapes(784, 500, 10)
+
+
+def run_json(tmp_path, name, *args, env=None):
+    out = dual(*args, "--json", tmp_path / f"{name}.json", "--save", tmp_path / f"{name}.npz",
+               env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads((tmp_path / f"{name}.json").read_text()), out
+
+
+@pytest.mark.parametrize("devices,staged", [(PAIR, False), (["0", "0"], False), (PAIR, True)])
+def test_ipc_copy_is_exact_for_every_parameter_shape(devices, staged):
+    with tempfile.TemporaryDirectory() as rundir:
+        procs = [subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "ipc_probe.py"), str(rank), rundir, dev]
+            + (["--staged"] if staged else []), env=worker_environment(dev),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank, dev in enumerate(devices)]
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            assert "exact" in out
+
+
+@pytest.mark.parametrize("avg", ["theano", "pycuda", "cpu"])
+def test_replicas_identical_and_following_the_cpu_path(tmp_path, avg):
+    args = ("--avg", avg, "--epochs", 2, "--check")
+    gpu, _ = run_json(tmp_path, "gpu", *PAIR, *args)
+    cpu, _ = run_json(tmp_path, "cpu", "cpu", "cpu", *args)
+    assert gpu["max_replica_diff"] == 0.0
+    assert gpu["backend"] == "JAXLinker" and gpu["transport"] == "CudaIpcTransport"
+    np.testing.assert_allclose(gpu["validation_errors"], cpu["validation_errors"], atol=0.003)
+    for a, b in zip(mlp.load_checkpoint(str(tmp_path / "gpu.npz"), SHAPES)[0],
+                    mlp.load_checkpoint(str(tmp_path / "cpu.npz"), SHAPES)[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_two_workers_on_one_gpu(tmp_path):
+    summary, _ = run_json(tmp_path, "same", "0", "0", "--epochs", 2, "--check")
+    assert summary["max_replica_diff"] == 0.0 and summary["devices"] == ["0", "0"]
+
+
+def test_forced_fallback_through_host_gives_the_same_weights(tmp_path):
+    staged, out = run_json(tmp_path, "staged", *PAIR, "--epochs", 2, "--check", "--staged")
+    direct, _ = run_json(tmp_path, "direct", *PAIR, "--epochs", 2)
+    assert staged["transport"] == "StagedCudaTransport" and staged["max_replica_diff"] == 0.0
+    assert "weights through host memory (staged)" in out.stdout
+    # the same numbers moved another way; XLA's GPU reductions are not bitwise
+    # repeatable from run to run, so equal to float32 rounding, not to the bit
+    for a, b in zip(mlp.load_checkpoint(str(tmp_path / "staged.npz"), SHAPES)[0],
+                    mlp.load_checkpoint(str(tmp_path / "direct.npz"), SHAPES)[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(not FASHION.exists(), reason="needs Fashion-MNIST (FASHION_MNIST=folder)")
+def test_real_data_run_error_falls(tmp_path):
+    summary, _ = run_json(tmp_path, "fashion", *PAIR, "--dataset", FASHION, "--epochs", 5)
+    errors = summary["validation_errors"]
+    assert errors[-1] < errors[0] - 0.02 and errors[-1] < 0.5  # chance: 0.9
+
+
+def gpu_of_process():
+    """{pid: set of GPU indices where nvidia-smi lists the process}."""
+    index = dict(line.split(", ")[::-1] for line in subprocess.check_output(
+        ["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"],
+        text=True).splitlines())
+    found = {}
+    for line in subprocess.check_output(
+            ["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id", "--format=csv,noheader"],
+            text=True).splitlines():
+        pid, bus = line.split(", ")
+        found.setdefault(int(pid), set()).add(int(index[bus]))
+    return found
+
+
+@pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs")
+def test_each_worker_holds_memory_on_its_own_gpu_only_and_a_kill_stops_the_run(no_leftovers):
+    proc = start_dual("0", "1", "--epochs", 100000, "--batch-size", 100)
+    wait_until_training(proc)
+    workers = workers_of(proc)
+    time.sleep(1)
+    seen = gpu_of_process()
+    for rank, w in enumerate(workers):
+        assert seen.get(w.pid) == {rank}, seen
+    workers[1].send_signal(signal.SIGKILL)
+    code, took, err = finish(proc, timeout=10)
+    assert code == 1 and "worker 1 (device 1) failed: killed by SIGKILL" in err
+    print(f"launcher stopped {took:.2f} s after the GPU worker was killed")
+    wait_for(lambda: not any(w.is_running() and w.status() != "zombie" for w in workers), 5,
+             "the surviving worker to exit")
+
+
+def test_gpu_index_out_of_range_is_refused():
+    out = dual("0", str(N_GPUS), timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip() == (f"dual_mlp.py: error: GPU {N_GPUS} does not exist: this "
+                                  f"machine has {N_GPUS} (0..{N_GPUS - 1})")
+
+
+def test_injected_failure_inside_an_exchange_on_gpus(no_leftovers):
+    out = dual(*PAIR, "--epochs", 3, env={"DUAL_MLP_FAULT": "0:exchange:raise"}, timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        f"error: worker 0 (device {PAIR[0]}) failed: RuntimeError: fault injected at exchange")
