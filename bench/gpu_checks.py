@@ -17,14 +17,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=RESULTS, help="folder for the results")
     args = parser.parse_args()
-    pytest = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-s", "-p", "no:cacheprovider",
-              "-o", "timeout=240"]
+    pytest = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-s", "-rA", "-p",
+              "no:cacheprovider", "-o", "timeout=240"]
     out = subprocess.run(pytest + ["tests/test_gpu.py"], cwd=ROOT, capture_output=True, text=True)
     log = out.stdout + out.stderr
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_checks.log"), "w") as f:
         f.write(log)
-    outcomes = dict(re.findall(r"^(tests/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", log, re.M))
+    # pytest's closing summary (-rA): one "OUTCOME test-id" line per test
+    outcomes = {test: outcome for outcome, test in
+                re.findall(r"^(PASSED|FAILED|SKIPPED|ERROR) (tests/\S+)", log, re.M)}
     counts = {k: len([v for v in outcomes.values() if v == k.upper()])
               for k in ("passed", "failed", "skipped", "error")}
     record("gpu_checks", args.out, pytest=" ".join(pytest[1:]), returncode=out.returncode,
