@@ -71,6 +71,22 @@ class Peer:
         else:
             self.socket.connect(address)
 
+    def _wait(self, event, what):
+        """Wait, in slices, until the socket can send or receive (``event``);
+        a stop request or the timeout ends the wait.  (A PAIR socket whose
+        peer is gone blocks a plain send forever.)"""
+        deadline = time.monotonic() + self.timeout
+        while not self.socket.poll(100, event):
+            if self.stopping.is_set():
+                raise Interrupted
+            if time.monotonic() > deadline:
+                raise PeerError(f"worker {1 - self.rank} did not reach {what} within "
+                                f"{self.timeout:g} s (see --timeout)")
+
+    def _send(self, message, what):
+        self._wait(zmq.POLLOUT, what)
+        self.socket.send(message, zmq.NOBLOCK)
+
     def _recv(self, what):
         deadline = time.perf_counter() + self.spin
         while time.perf_counter() < deadline:
@@ -78,18 +94,12 @@ class Peer:
                 return self.socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 pass
-        deadline = time.monotonic() + self.timeout
-        while not self.socket.poll(100):  # in slices, to notice a stop request
-            if self.stopping.is_set():
-                raise Interrupted
-            if time.monotonic() > deadline:
-                raise PeerError(f"worker {1 - self.rank} did not reach {what} within "
-                                f"{self.timeout:g} s (see --timeout)")
-        return self.socket.recv()
+        self._wait(zmq.POLLIN, what)
+        return self.socket.recv(zmq.NOBLOCK)
 
     def exchange(self, obj, what="the handshake"):
         """Send ``obj``, return the peer's (used once, for the handles)."""
-        self.socket.send(pickle.dumps(obj))
+        self._send(pickle.dumps(obj), what)
         return pickle.loads(self._recv(what))
 
     def barrier(self):
@@ -98,8 +108,9 @@ class Peer:
         stamp their arrival on the machine-wide monotonic clock)."""
         self.barriers += 1
         arrived = time.perf_counter()
-        self.socket.send(struct.pack("<qd", self.barriers, arrived))
-        count, peer_arrived = struct.unpack("<qd", self._recv(f"barrier {self.barriers}"))
+        what = f"barrier {self.barriers}"
+        self._send(struct.pack("<qd", self.barriers, arrived), what)
+        count, peer_arrived = struct.unpack("<qd", self._recv(what))
         if count != self.barriers:
             raise PeerError(f"workers out of step: at barrier {self.barriers}, "
                             f"the peer is at {count}")

@@ -103,6 +103,19 @@ def test_killing_the_launcher_takes_its_workers_along(no_leftovers):
              10, "the orphaned workers to stop")
 
 
+def test_a_worker_left_without_launcher_and_peer_still_exits(no_leftovers):
+    """Its peer gone, a zmq PAIR socket blocks a plain send forever: the
+    worker must still notice the launcher's death and leave."""
+    proc = start_dual("cpu", "cpu", "--epochs", 1000)
+    wait_until_training(proc)
+    survivor, victim = workers_of(proc)
+    proc.send_signal(signal.SIGKILL)  # the launcher first: it is not there to clean up
+    victim.send_signal(signal.SIGKILL)
+    proc.communicate()
+    wait_for(lambda: not survivor.is_running() or survivor.status() == "zombie", 10,
+             "the worker left alone to exit")
+
+
 def test_two_runs_at_once_both_succeed(tmp_path, no_leftovers):
     runs = [start_dual("cpu", "cpu", "--epochs", 2, "--json", tmp_path / f"{i}.json")
             for i in range(2)]
