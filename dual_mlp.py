@@ -357,9 +357,8 @@ class StepClock:
 def make_average(kind, params, peer_weights, layout, transport, device):
     """The ``--avg`` variants; each sets every parameter to (mine + peer's) / 2."""
     if kind == "theano":
-        mean = pytensor.function([], [], mode=device.mode, updates=[
+        return pytensor.function([], [], mode=device.mode, updates=[
             (p, (p + q) / 2) for p, q in zip(params, layout.views(peer_weights))])
-        return mean
     if kind == "pycuda":
         return lambda: device.average_in_place([storage(p) for p in params], transport.recv,
                                                layout)
@@ -557,16 +556,25 @@ def worker(rank, rundir):
                 f.write(json.dumps(summary, indent=2).encode())
 
 
-# Set by SIGINT (Ctrl-C) or SIGTERM (the launcher stopping us).  The worker
-# stops at the next step or while it waits for its peer, never inside a
-# compiled call or a checkpoint write, and unwinds: buffers, IPC mappings
-# and sockets are closed on the way out.
-stopping = threading.Event()
+class StopRequest:
+    """Set by SIGINT (Ctrl-C) or SIGTERM (the launcher stopping us, or Linux
+    when the launcher dies).  The worker stops at the next step or while it
+    waits for its peer, never inside a compiled call or a checkpoint write,
+    and unwinds: buffers, IPC mappings and sockets are closed on the way out.
+    A plain attribute, not a threading.Event: a signal handler must take no
+    lock, or a second signal arriving inside it deadlocks the worker."""
+
+    signum = 0
+
+    def is_set(self):
+        return self.signum != 0
+
+
+stopping = StopRequest()
 
 
 def request_stop(signum, frame):
     stopping.signum = signum
-    stopping.set()
 
 
 def run_worker(rank, rundir):
@@ -582,7 +590,9 @@ def run_worker(rank, rundir):
         print(f"worker {rank}: error: {e}", file=sys.stderr)
         sys.exit(1)
     finally:
-        if os.getppid() != launcher:  # the launcher died: nobody else will clean up
+        # Told to stop, or orphaned: the launcher may be dying too, and the
+        # files there are of no use to the peer any more (it has them open).
+        if stopping.is_set() or os.getppid() != launcher:
             shutil.rmtree(rundir, ignore_errors=True)
 
 

@@ -55,7 +55,7 @@ class Peer:
     def __init__(self, rundir, rank, timeout, stopping, spin=0.0):
         """
         :param timeout: seconds to wait for the peer at any barrier
-        :param stopping: a threading.Event; set, it ends any wait
+        :param stopping: has is_set(); once it is set, any wait ends
         :param spin: seconds to poll without sleeping before blocking; a
             wake-up from a blocking wait costs tens of microseconds, which
             matters next to a GPU step but would steal a CPU worker's core

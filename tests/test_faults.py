@@ -12,6 +12,7 @@ import pytest
 import datasets
 import mlp
 from conftest import dual, start_dual, wait_for, workers_of
+from dual_mlp import usable_gpus
 from test_data import corrupt_cases
 
 SHAPES = mlp.parameter_shapes(784, 500, 10)
@@ -142,7 +143,7 @@ def bad_requests(tmp_path):
 
 
 def test_bad_input_gets_one_line_exit_2_and_starts_nothing(tmp_path, no_leftovers):
-    if __import__("dual_mlp").usable_gpus()[0]:
+    if usable_gpus()[0]:
         pytest.skip("the no-GPU errors need a machine without a usable GPU (see test_gpu.py)")
     for args, words in bad_requests(tmp_path):
         out = dual(*args, timeout=60)
