@@ -60,12 +60,16 @@ def leftover_workers():
     return found
 
 
+def run_directories():
+    """The launcher's private run directories that exist now."""
+    return set(Path("/dev/shm").glob("dual_mlp-*")) | set(Path("/tmp").glob("dual_mlp-*"))
+
+
 @pytest.fixture
 def no_leftovers():
     """Fail the test if it leaves a worker process or a run directory behind."""
-    before = set(Path("/dev/shm").glob("dual_mlp-*")) | set(Path("/tmp").glob("dual_mlp-*"))
+    before = run_directories()
     yield
     time.sleep(0.2)
     assert leftover_workers() == []
-    after = set(Path("/dev/shm").glob("dual_mlp-*")) | set(Path("/tmp").glob("dual_mlp-*"))
-    assert after - before == set(), "run directory not removed"
+    assert run_directories() - before == set(), "run directory not removed"

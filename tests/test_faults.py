@@ -1,5 +1,4 @@
 """A run never hangs and never loses its work: real processes, real signals."""
-import glob
 import json
 import os
 import shutil
@@ -11,7 +10,7 @@ import pytest
 
 import datasets
 import mlp
-from conftest import dual, start_dual, wait_for, workers_of
+from conftest import dual, run_directories, start_dual, wait_for, workers_of
 from dual_mlp import usable_gpus
 from test_data import corrupt_cases
 
@@ -167,10 +166,6 @@ def test_checkpoint_writes_are_atomic(tmp_path):
     current, _, state = mlp.load_checkpoint(str(path), SHAPES)
     assert state["epoch"] == 1 and all((p == 1.0).all() for p in current)
     assert os.listdir(tmp_path) == ["m.npz"]  # no temporary file left behind
-
-
-def run_directories():
-    return set(glob.glob("/dev/shm/dual_mlp-*")) | set(glob.glob("/tmp/dual_mlp-*"))
 
 
 def test_a_run_killed_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):
