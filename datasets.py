@@ -12,7 +12,7 @@ Sources:
 
 * the classic ``mnist.pkl.gz`` (50,000 / 10,000 / 10,000, Python 2 pickle);
 * a folder of MNIST-format IDX files (``train-images-idx3-ubyte.gz`` and its
-  three siblings): MNIST or Fashion-MNIST.  Validation is the last 10,000
+  three siblings, gzipped or not): MNIST or Fashion-MNIST.  Validation is the last 10,000
   training images, as in ``mnist.pkl.gz``;
 * ``data/mnist_5k.pkl.gz``, shipped with the demo: 5,000 real MNIST digits
   (3,000 / 1,000 / 1,000), made by ``python datasets.py make-shipped``.
@@ -122,9 +122,14 @@ def read_pickle(path):
 
 
 def read_idx(path):
-    """One IDX file: 2 zero bytes, a type byte (8 = uint8), the number of
-    dimensions, each dimension as a big-endian uint32, then the data."""
-    raw = _gunzip(path)
+    """One IDX file, gzipped or not: 2 zero bytes, a type byte (8 = uint8),
+    the number of dimensions, each dimension as a big-endian uint32, then
+    the data."""
+    if path.endswith(".gz"):
+        raw = _gunzip(path)
+    else:
+        with open(path, "rb") as f:
+            raw = f.read()
     if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] != 0x08:
         raise DatasetError(f"{path}: not an IDX file of unsigned bytes")
     ndim = raw[3]
@@ -138,11 +143,23 @@ def read_idx(path):
     return np.frombuffer(raw, np.uint8, offset=header).reshape(shape)
 
 
+def write_idx(path, array):
+    """Write ``array`` (unsigned bytes) as an IDX file, gzipped if ``path`` ends in .gz."""
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(
+        f">{array.ndim}I", *array.shape)
+    data = header + np.asarray(array, np.uint8).tobytes()
+    with atomic_write(path) as f:
+        f.write(gzip.compress(data, compresslevel=1) if str(path).endswith(".gz") else data)
+
+
 def read_idx_folder(folder):
-    missing = [f for f in IDX_FILES if not os.path.exists(os.path.join(folder, f))]
+    """The four IDX files of a folder, each gzipped (``*.gz``) or unpacked."""
+    paths = [next((p for p in (os.path.join(folder, f), os.path.join(folder, f[:-3]))
+                   if os.path.exists(p)), None) for f in IDX_FILES]
+    missing = [f for f, p in zip(IDX_FILES, paths) if p is None]
     if missing:
         raise DatasetError(f"{folder}: not a data set folder, missing {', '.join(missing)}")
-    train_x, train_y, test_x, test_y = (read_idx(os.path.join(folder, f)) for f in IDX_FILES)
+    train_x, train_y, test_x, test_y = map(read_idx, paths)
     for x, y, name in ((train_x, train_y, "train"), (test_x, test_y, "t10k")):
         if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
             raise DatasetError(f"{folder}: {name} images {x.shape} do not match labels {y.shape}")

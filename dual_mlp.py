@@ -1,46 +1,59 @@
 #!/usr/bin/env python
-"""Train the tutorial's MLP on two workers that average their weights after every step.
+"""Train the tutorial's MLP on several workers that average their weights after every step.
 
 A re-creation of "Multi-GPU using Theano and PyCUDA" (dual_mlp.py, University
 of Guelph, 2014), on PyTensor, PyCUDA and pyzmq::
 
     THEANO_FLAGS=mode=FAST_RUN,floatX=float32 python dual_mlp.py 0 1    # GPUs 0 and 1
     python dual_mlp.py cpu cpu                                          # no GPU needed
+    python dual_mlp.py 0 1 2 3                                          # four GPUs
 
-This process is the launcher: it checks the request, starts two workers (this
-same file, with ``--worker``), watches them, and stops both if either fails.
-Worker k holds a full replica of the MLP, trains on the minibatches whose
-index is k modulo 2, and after every step of its own:
+This process is the launcher: it checks the request, starts one worker per
+device (this same file, with ``--worker``), watches them, and stops them all
+if one fails.  Worker k of N holds a full replica of the MLP and trains on the
+minibatches whose index is k modulo N.  Two workers, as in 2014
+(``--exchange p2p``), after every step of their own:
 
   1. train    one SGD step on its minibatch;
-  2. publish  copies its weights into its send buffer, whose address never moves;
-  3. barrier  waits until the peer has published too (a zmq message each way);
-  4. copy     copies the peer's send buffer into its receive buffer
-              (GPU: a peer-to-peer copy of a CUDA IPC buffer; CPU: host memory);
-  5. barrier  waits until the peer has copied ours, so neither send buffer is
-              overwritten while the other still reads it;
-  6. average  sets its weights to (mine + peer's) / 2.
+  2. publish  copy its weights into its send buffer, whose address never moves;
+  3. signal   "published", and wait until the peer has published too;
+  4. copy     copy the peer's send buffer into its own memory
+              (GPUs: a peer-to-peer copy of a CUDA IPC buffer; CPUs: host memory);
+  5. signal   "copied": the peer may overwrite its send buffer again;
+  6. average  set its weights to (mine + peer's) / 2.
 
-Both replicas then hold identical weights, and the pair has taken one SGD step
-on a minibatch of twice the size: the mean of two minibatch gradients is the
-gradient of their union's mean cost.
+What changed since 2014 is who orders these steps (``--sync``):
+
+  host   the host waits for its GPU after each phase, and the signals are
+         zmq messages: the 2014 loop, and the only way on CPUs;
+  gpu    steps 2-5 are kernels on the GPU's own stream, inside the compiled
+         training step, and the signals are counters each GPU writes into the
+         other's memory (stream_exchange.py); step 6 opens the next step.  The
+         host only queues steps, so it runs ahead while the GPUs compute.
+
+More than two workers, or several machines, average with ``--exchange xla``:
+the compiled step ends in a ``pmean`` over all workers that JAX's distributed
+runtime runs (NCCL between GPUs, gloo between CPUs).
+
+Every replica then holds the same weights, and together they have taken one
+SGD step on a minibatch N times the size: the mean of N minibatch gradients
+is the gradient of their union's mean cost.
 """
+import cli  # first: quiet Ctrl-C and closed pipes from the very start
 import argparse
 import collections
 import ctypes
 import datetime
-import importlib.util
 import json
 import os
 import platform
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
+import traceback
 import types
 from contextlib import ExitStack
 
@@ -50,7 +63,9 @@ import pytensor
 
 import datasets
 import mlp
-from exchange import CudaDevice, HostDevice, Interrupted, Layout, Peer, PeerError
+import launcher
+from exchange import (CudaDevice, HostDevice, Interrupted, JaxDevice, Layout, Peer, PeerError,
+                      XlaExchange, request_stop, stopping)
 from logistic_sgd import load_data
 
 # -----------------------------------------------------------------------------
@@ -62,279 +77,94 @@ N_HIDDEN = 500
 L1, L2 = 0.0, 0.0001
 SEED = 1234
 SHIPPED_BATCH_SIZE = 100   # the shipped 3,000 training digits hold no two minibatches of 5,000
-TIMEOUT = 120.0            # seconds a worker waits for its peer at a barrier
+TIMEOUT = 120.0            # seconds a worker waits for the others before it reports them stalled
+AHEAD = 8                  # steps the host may queue ahead of the device (--sync gpu, xla)
 # -----------------------------------------------------------------------------
 
 
-class UsageError(Exception):
-    """A request that cannot run; the launcher prints it on one line, exit 2."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage block
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
-def positive(kind):
-    def parse(text):
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def non_negative(text):
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
-    return value
-
-
 def parse_args(argv=None):
-    p = Parser(description=__doc__.split("\n")[0], epilog=(
+    p = cli.Parser(description=__doc__.split("\n")[0], epilog=(
         "THEANO_FLAGS is honoured (mapped onto PyTensor's flags; floatX defaults to float32). "
-        "See README.md for the data choices and the GPU set-up."))
+        "See README.md for the data choices, the GPU set-up and runs on several machines."))
     p.add_argument("devices", nargs="*", metavar="DEV",
-                   help="two devices, each a GPU index or 'cpu' (default: 0 1 when two GPUs "
-                        "are usable, else cpu cpu); '0 0' puts both workers on one GPU")
-    p.add_argument("--epochs", type=positive(int), default=EPOCHS,
+                   help="one worker per device, at least two, each a GPU index or 'cpu' "
+                        "(default: 0 1 when two GPUs are usable, else cpu cpu); '0 0' puts "
+                        "two workers on one GPU")
+    p.add_argument("--epochs", type=cli.positive_int, default=EPOCHS,
                    help="passes over the training set (default: %(default)s)")
-    p.add_argument("--batch-size", type=positive(int), default=None,
+    p.add_argument("--batch-size", type=cli.positive_int, default=None,
                    help=f"minibatch size per worker (default: {BATCH_SIZE}; "
                         f"{SHIPPED_BATCH_SIZE} on the shipped digits)")
-    p.add_argument("--learning-rate", type=positive(float), default=LEARNING_RATE,
+    p.add_argument("--learning-rate", type=cli.positive, default=LEARNING_RATE,
                    help="SGD step size (default: %(default)s)")
-    p.add_argument("--n-hidden", type=positive(int), default=N_HIDDEN,
+    p.add_argument("--n-hidden", type=cli.positive_int, default=N_HIDDEN,
                    help="hidden units (default: %(default)s)")
-    p.add_argument("--l1", type=non_negative, default=L1,
+    p.add_argument("--l1", type=cli.non_negative, default=L1,
                    help="L1 weight penalty (default: %(default)s)")
-    p.add_argument("--l2", type=non_negative, default=L2,
+    p.add_argument("--l2", type=cli.non_negative, default=L2,
                    help="squared L2 weight penalty (default: %(default)s)")
     p.add_argument("--dataset", metavar="PATH",
                    help="mnist.pkl.gz or a folder of MNIST-format IDX files, e.g. "
                         "/usr/share/datasets/fashion-mnist (default: ./mnist.pkl.gz if "
                         "present, else the 5,000 digits shipped in data/)")
-    p.add_argument("--avg", choices=("theano", "pycuda", "cpu"), default="theano",
-                   help="how to average: 'theano' a compiled PyTensor function; 'pycuda' "
-                        "in place on the buffers (a CUDA kernel on GPUs, NumPy on the CPU); "
-                        "'cpu' through host memory (default: %(default)s)")
-    p.add_argument("--save", metavar="PATH", help="checkpoint (.npz) written after every "
-                   "epoch, atomically: current and best-validation weights, training state")
+    p.add_argument("--exchange", choices=("p2p", "xla"),
+                   help="how the replicas average: 'p2p' the 2014 exchange between two "
+                        "workers (PyCUDA peer-to-peer copies, or host memory on CPUs); 'xla' "
+                        "a pmean inside the compiled step, through JAX's distributed runtime "
+                        "(default: p2p for two workers, xla for more)")
+    p.add_argument("--sync", choices=("gpu", "host"),
+                   help="p2p: who orders the exchange; 'gpu' the GPUs, on their streams, "
+                        "the host never waiting within a step; 'host' the 2014 loop, the host "
+                        "waiting for each phase (default: gpu on two GPUs, host on CPUs)")
+    p.add_argument("--avg", choices=("theano", "pycuda", "cpu"),
+                   help="--sync host: how to average; 'theano' a compiled PyTensor function "
+                        "(the default, as in 2014); 'pycuda' in place on the buffers (a CUDA "
+                        "kernel on GPUs, NumPy on the CPU); 'cpu' through host memory")
+    p.add_argument("--save", metavar="PATH", type=cli.writable,
+                   help="checkpoint (.npz) written after every epoch, atomically: current "
+                        "and best-validation weights, training state")
     p.add_argument("--resume", metavar="PATH", help="continue from a --save checkpoint")
-    p.add_argument("--json", metavar="PATH", help="write a summary of the run as JSON")
-    p.add_argument("--check", action="store_true", help="after every exchange, measure how "
-                   "far the replicas differ (max_replica_diff; costs one more exchange)")
+    p.add_argument("--json", metavar="PATH", type=cli.writable,
+                   help="write a summary of the run as JSON")
+    p.add_argument("--check", action="store_true", help="after every step, measure how far "
+                   "the replicas differ (max_replica_diff; slow: the host waits)")
     p.add_argument("--seed", type=int, default=SEED,
                    help="weight initialisation seed (default: %(default)s)")
     p.add_argument("--staged", action="store_true",
                    help="GPUs: copy the weights through host memory, the fallback used "
                         "where the two GPUs cannot reach each other's memory")
-    p.add_argument("--timeout", type=positive(float), default=TIMEOUT,
-                   help="seconds a worker waits for its peer at a barrier before it gives "
-                        "up (default: %(default)s)")
-    p.add_argument("--worker", nargs=2, metavar=("RANK", "RUNDIR"), help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=cli.positive, default=TIMEOUT,
+                   help="seconds a worker waits for the others (to meet, or to finish a "
+                        "step) before it reports them stalled (default: %(default)s)")
+    p.add_argument("--nodes", type=cli.positive_int, default=1,
+                   help="machines taking part, each running this launcher with its own "
+                        "devices, the same number on each (default: %(default)s)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's number, 0..nodes-1; node 0 hosts the coordinator")
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="--exchange xla: where node 0's coordinator listens, and only there "
+                        "(default, one machine: 127.0.0.1 on a free port)")
+    p.add_argument("--worker", nargs=2, metavar=("INDEX", "RUNDIR"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-# -----------------------------------------------------------------------------
-# the launcher: check everything first, so bad input starts no process
-
-def usable_gpus():
-    """(number of GPUs the GPU path can use, why none); starts no CUDA context."""
-    if importlib.util.find_spec("jax") is None:
-        return 0, "JAX is not installed"
-    try:
-        import pycuda.driver as drv
-        drv.init()
-        return drv.Device.count(), "no GPU found"
-    except ImportError:
-        return 0, "PyCUDA is not installed"
-    except Exception as e:  # pycuda.driver.Error: no driver, no device
-        return 0, f"CUDA does not start ({e})"
-
-
-def choose_devices(requested):
-    if len(requested) not in (0, 2):
-        raise UsageError(f"give two devices (e.g. '0 1' or 'cpu cpu'), not {len(requested)}")
-    for dev in requested:
-        if dev != "cpu" and not dev.isdigit():
-            raise UsageError(f"unknown device '{dev}': a device is a GPU index or 'cpu'")
-    if requested and (requested[0] == "cpu") != (requested[1] == "cpu"):
-        raise UsageError("both workers run on GPUs or both on the CPU, not one of each")
-    if requested == ["cpu", "cpu"]:
-        return requested, None
-    count, why = usable_gpus()
-    if not requested:
-        if count >= 2:
-            return ["0", "1"], None
-        return ["cpu", "cpu"], f"no two usable GPUs ({why if count == 0 else '1 GPU'}): " \
-                               "running both workers on the CPU"
-    if count == 0:
-        raise UsageError(f"GPU asked for, but none is usable: {why}. Install the GPU "
-                         "requirements (pip install -r requirements-gpu.txt) or pass 'cpu cpu'")
-    for dev in requested:
-        if int(dev) >= count:
-            raise UsageError(f"GPU {dev} does not exist: this machine has {count} "
-                             f"(0..{count - 1})")
-    return requested, None
-
-
-def peer_access(a, b):
-    """Can GPU a read GPU b's memory directly (NVLink or PCIe peer-to-peer)?"""
-    import pycuda.driver as drv
-    return a == b or drv.Device(a).can_access_peer(drv.Device(b))
-
-
-def check_request(args):
-    """Resolve defaults and check every input; returns the notices to print."""
-    notices = []
-    args.devices, notice = choose_devices(args.devices)
-    notices.append(notice)
-    if args.devices[0] != "cpu":
-        if pytensor.config.floatX != "float32":
-            raise UsageError("the GPU path runs in float32: drop floatX from the flags")
-        a, b = map(int, args.devices)
-        if not args.staged and not peer_access(a, b):
-            notices.append(f"warning: GPUs {a} and {b} cannot access each other's memory: "
-                           "the weights go through host memory (slower, same numbers)")
-            args.staged = True
-    args.dataset, notice = datasets.resolve(args.dataset)
-    notices.append(notice)
-    n_train = len(datasets.read(args.dataset)[0][0])
-    if args.batch_size is None:
-        args.batch_size = SHIPPED_BATCH_SIZE if args.dataset == datasets.SHIPPED else BATCH_SIZE
-        if args.dataset == datasets.SHIPPED:
-            notices.append(f"batch size {args.batch_size} per worker, so that each worker "
-                           f"gets {n_train // args.batch_size // 2} minibatches per epoch")
-    if n_train < 2 * args.batch_size:
-        raise UsageError(f"batch size {args.batch_size} is too large: the training set has "
-                         f"{n_train} images, and each of the two workers needs a minibatch")
-    for path in (args.save, args.json):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not os.path.isdir(folder):
-            raise UsageError(f"cannot write {path}: folder {folder} does not exist")
-    if args.resume:
-        shapes = mlp.parameter_shapes(datasets.N_PIXELS, args.n_hidden, datasets.N_CLASSES)
-        _, _, state = mlp.load_checkpoint(args.resume, shapes)
-        if state["epoch"] >= args.epochs:
-            raise UsageError(f"{args.resume} is already at epoch {state['epoch']}: "
-                             f"ask for more --epochs")
-    return [n for n in notices if n]
-
-
-def worker_environment(dev):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if dev == "cpu":
-        # two workers share the cores: each gets half, or they fight over all of them
-        threads = str(max(1, (os.cpu_count() or 2) // 2))
-        env.update(JAX_PLATFORMS="cpu", OMP_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads,
-                   MKL_NUM_THREADS=threads, NUMBA_NUM_THREADS=threads)
-    else:
-        # the worker sees its own GPU only; JAX takes memory as it needs it,
-        # not 75% up front, so that two workers can share a GPU
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpu = visible.split(",")[int(dev)] if visible else dev
-        env.update(CUDA_VISIBLE_DEVICES=gpu, JAX_PLATFORMS="cuda",
-                   XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    return env
-
-
-class Worker:
-    """A worker process seen from the launcher; its stderr is passed through
-    and its last lines kept, to say why it failed."""
-
-    def __init__(self, rank, dev, rundir):
-        self.rank, self.dev = rank, dev
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--worker", str(rank), rundir],
-            env=worker_environment(dev), stderr=subprocess.PIPE, text=True)
-        self.tail = collections.deque(maxlen=20)
-        self.pump = threading.Thread(target=self._pass_stderr, daemon=True)
-        self.pump.start()
-
-    def _pass_stderr(self):
-        for line in self.proc.stderr:
-            sys.stderr.write(line)
-            self.tail.append(line.rstrip())
-
-    def cause(self):
-        """The last line of its error output, or how it ended."""
-        self.pump.join(timeout=2)
-        code = self.proc.returncode
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        last = next((line for line in reversed(self.tail) if line.strip()), None)
-        return f"{last.strip()} ({how})" if last and code > 0 else how
-
-
-def stop(workers, grace=2.0):
-    """SIGTERM every worker still running, SIGKILL what is left after ``grace``."""
-    for w in workers:
-        if w.proc.poll() is None:
-            w.proc.terminate()
-    deadline = time.monotonic() + grace
-    for w in workers:
-        try:
-            w.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            w.proc.kill()
-            w.proc.wait()
-
-
-def launch(args):
-    """Start both workers and wait; if one fails, stop the other at once."""
-    # a private directory for the sockets and buffers: no fixed port, no clash
-    # between two runs, nothing reachable from the network
-    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    rundir = tempfile.mkdtemp(prefix="dual_mlp-", dir=shm)
-    workers = []
-    try:
-        with open(os.path.join(rundir, "config.json"), "w") as f:
-            json.dump(vars(args), f)
-        workers = [Worker(rank, dev, rundir) for rank, dev in enumerate(args.devices)]
-        while True:
-            codes = [w.proc.poll() for w in workers]
-            if all(code == 0 for code in codes):
-                return 0
-            failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
-            if failed:
-                stop(workers)
-                if all(w.proc.returncode in (130, -signal.SIGINT) for w in failed):
-                    raise KeyboardInterrupt
-                w = failed[0]
-                print(f"error: worker {w.rank} (device {w.dev}) failed: {w.cause()}",
-                      file=sys.stderr)
-                return 1
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        stop(workers)
-        kept = f"; last checkpoint kept in {args.save}" if args.save and \
-            os.path.exists(args.save) else ""
-        print(f"interrupted{kept}", file=sys.stderr)
-        return 130
-    finally:
-        shutil.rmtree(rundir, ignore_errors=True)
 
 
 # -----------------------------------------------------------------------------
 # the worker
 
 def storage(shared):
-    """The array a shared variable holds now (a jax.Array on a GPU)."""
+    """The array a shared variable holds now (a jax.Array under JAX)."""
     return shared.container.storage[0]
 
 
 def place(shared, value):
     """Set a shared variable's array without a copy back to NumPy (set_value
-    would make one), so GPU arrays stay on the GPU."""
+    would make one), so device arrays stay on the device."""
     shared.container.storage[0] = value
 
 
 class StepClock:
-    """Sums the time between laps under each lap's name.  A barrier's time is
-    split in two: the barrier itself, and waiting for a peer that arrived
+    """Sums the time between laps under each lap's name.  A signal's time is
+    split in two: the signal itself, and waiting for a peer that arrived
     later (which a faster worker does whatever the exchange costs)."""
 
     def __init__(self):
@@ -349,9 +179,6 @@ class StepClock:
         self.totals[name] += now - self.last - waited
         self.totals["waiting"] += waited
         self.last = now
-
-    def total(self):
-        return sum(self.totals.values())
 
 
 def make_average(kind, params, peer_weights, layout, transport, device):
@@ -370,29 +197,223 @@ def make_average(kind, params, peer_weights, layout, transport, device):
     return through_host
 
 
-def warm_up(model, average, device):
-    """Call every compiled function once, then restore the weights: numba and
-    JAX compile on the first call, which must not land inside a timed step
-    or make the peer wait at a barrier."""
-    saved = [device.to_host(storage(p)).copy() for p in model.params]
-    model.train_model(0)
-    model.validate_model()
-    model.test_model()
-    average()
-    device.wait([storage(p) for p in model.params])
-    for p, value in zip(model.params, saved):
-        place(p, device.put(value))
+def replica_spread(weights, gather):
+    """The largest difference between this replica's weights and any
+    other's, compared on the host, over a channel the exchange never uses."""
+    mine = np.concatenate([w.ravel() for w in weights])
+    return float(np.max(np.abs(gather(mine) - mine)))
 
 
-def replica_diff(model, transport, peer, layout, device):
-    """Max |my weights - peer's| after an exchange: one more publish and copy."""
-    transport.publish([storage(p) for p in model.params])
-    peer.barrier()
-    transport.fetch()
-    peer.barrier()
-    theirs = layout.views(device.to_host(transport.recv))
-    return max(float(np.max(np.abs(device.to_host(storage(p)) - q)))
-               for p, q in zip(model.params, theirs))
+class HostOrdered:
+    """``--sync host``: the 2014 loop.  The host waits for its device after
+    each phase and the two workers meet at zmq barriers, so the host clock
+    can time every phase."""
+
+    def __init__(self, rank, model, device, transport, peer, average, check):
+        self.rank, self.model, self.device, self.transport = rank, model, device, transport
+        self.peer, self.average, self.check = peer, average, check
+        self.clock, self.max_diff = StepClock(), 0.0
+
+    def epoch(self, n_steps):
+        model, transport, peer, clock = self.model, self.transport, self.peer, self.clock
+        for step in range(n_steps):
+            stop_point(self.rank, "train")
+            clock.start()
+            model.train_model(2 * step + self.rank)         # 1. on my own minibatch
+            new = [storage(p) for p in model.params]
+            self.device.wait(new)
+            clock.lap("train")
+            transport.publish(new)                          # 2. into my send buffer
+            clock.lap("publish")
+            clock.lap("signal", waited=peer.barrier())      # 3. both published
+            fault_point(self.rank, "exchange")
+            transport.fetch()                               # 4. the peer's, into mine
+            clock.lap("copy")
+            clock.lap("signal", waited=peer.barrier())      # 5. both copied
+            self.average()                                  # 6. (mine + peer's) / 2
+            self.device.wait([storage(p) for p in model.params])
+            clock.lap("average")
+            if self.check:
+                self.max_diff = max(self.max_diff, replica_spread(self.weights(), self.gather))
+
+    def weights(self):
+        return [self.device.to_host(storage(p)) for p in self.model.params]
+
+    def gather(self, mine):
+        return np.stack([mine, self.peer.exchange(mine, "the replica check")])
+
+    def step_us(self, steps):
+        us = {k: 1e6 * v / steps for k, v in self.clock.totals.items()}
+        us["exchange"] = sum(us[k] for k in ("publish", "signal", "waiting", "copy"))
+        return us
+
+    def finish(self):
+        pass
+
+    def report(self):
+        return {}
+
+
+class DeviceOrdered:
+    """``--sync gpu`` and ``--exchange xla``: a step, training and exchange,
+    is one compiled program.  The host only queues it: it runs up to
+    ``AHEAD`` steps ahead of the device and never waits within a step, so
+    the host clock times whole steps only."""
+
+    def __init__(self, rank, program, indices, data, state, weights, gather, check, timeout,
+                 finish=None, report=dict):
+        self.rank, self.program, self.indices, self.data = rank, program, indices, data
+        self.state, self._weights, self.gather, self.check = state, weights, gather, check
+        self._finish, self.report, self.max_diff = finish, report, 0.0
+        self.queued, self.watchdog = collections.deque(), Watchdog(rank, timeout)
+
+    def epoch(self, n_steps):
+        with self.watchdog:
+            for step in range(n_steps):
+                stop_point(self.rank, "train")
+                cost, self.state = self.program(self.indices[step], self.data, *self.state)
+                fault_point(self.rank, "exchange")
+                self.queued.append(cost)
+                if len(self.queued) > AHEAD:
+                    wait_ready(self.queued.popleft())
+                self.watchdog.alive()
+                if self.check:
+                    self.max_diff = max(self.max_diff, replica_spread(self.weights(), self.gather))
+            while self.queued:  # the epoch ends when the device is done with it
+                wait_ready(self.queued.popleft())
+                self.watchdog.alive()
+
+    def weights(self):
+        return [np.array(w) for w in self._weights(*self.state)]
+
+    def device_weights(self):
+        return self._weights(*self.state)
+
+    def step_us(self, steps):
+        return {}
+
+    def finish(self):
+        if self._finish:
+            self._finish()
+
+
+def wait_ready(value):
+    """Wait for a device result, and for a stop request meanwhile."""
+    while not value.is_ready():
+        if stopping.is_set():
+            raise Interrupted
+        time.sleep(0.0002)
+
+
+class Watchdog:
+    """A thread that ends this worker when, in an epoch, no step finishes
+    for ``timeout`` seconds, or a stop request goes unheeded for a second.
+    Where the devices order the steps, a GPU waiting for ever on a peer that
+    stalled or died can hold the host thread inside a call into XLA (which
+    waits for the last launch before it launches again): no check of ours
+    runs there, and a signal only sets a flag."""
+
+    def __init__(self, rank, timeout):
+        self.rank, self.timeout, self.last, self.armed = rank, timeout, time.monotonic(), False
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def alive(self):
+        self.last = time.monotonic()
+
+    def __enter__(self):
+        self.alive()
+        self.armed = True
+
+    def __exit__(self, *exc):
+        self.armed = False
+
+    def _watch(self):
+        stop_seen = None
+        while True:
+            time.sleep(0.1)
+            now = time.monotonic()
+            if not self.armed:
+                continue
+            if stopping.is_set():
+                stop_seen = stop_seen or now
+                if now - stop_seen > 1.0:
+                    quit_now(128 + stopping.signum)
+            elif now - self.last > self.timeout:
+                print(f"worker {self.rank}: error: no step finished within {self.timeout:g} s: "
+                      "another worker stalled (see --timeout)", file=sys.stderr, flush=True)
+                quit_now(1)
+
+
+def jax_step(model):
+    """The model's PyTensor-compiled training step as a JAX function
+    ``train(index, data, params) -> cost, new_params``: PyTensor's JAX backend
+    jits the whole graph, and its jitted callable can be called inside
+    another jitted program."""
+    f = model.train_model
+    inputs = [i.variable for i in f.maker.inputs]          # index, data, params, in its order
+    updated = [i.variable for i in f.maker.inputs if i.update is not None]
+    data_vars = [v for v in inputs[1:] if v not in model.params]
+
+    def train(index, data, params):
+        value = dict(zip(data_vars, data)) | dict(zip(model.params, params))
+        cost, *new = f.vm.jit_fn(index, *[value[v] for v in inputs[1:]])
+        new = dict(zip(updated, new))
+        return cost, [new[p] for p in model.params]
+    return train, [storage(v) for v in data_vars]
+
+
+def gpu_ordered(rank, world, model, device, layout, peer, args):
+    """``--sync gpu``: the exchange as kernels on this GPU's stream, inside the step."""
+    import jax
+    from stream_exchange import StreamExchange
+
+    train, data = jax_step(model)
+    exchange = StreamExchange(device, layout)
+
+    def step(index, data, params, received):
+        mean = [(p + r) / 2 for p, r in zip(params, received)]  # 6. average, of step t-1
+        cost, new = train(index, data, mean)                     # 1. train
+        return cost, (new, exchange(new, received))              # 2.-5. publish, signal, copy
+
+    params = [storage(p) for p in model.params]
+    state = (params, [p.copy() for p in params])  # received = mine: the first average is a no-op
+    indices = [device.put(np.int32(world * t + rank)) for t in range(model.n_train_batches // world)]
+    # Compiled, not run (no peer yet).  The state is donated: XLA reuses its
+    # buffers for the new state, so the exchange sees the same addresses every
+    # step and XLA replays its captured launches instead of capturing anew.
+    program = jax.jit(step, donate_argnums=(2, 3)).lower(indices[0], data, *state).compile()
+    average = jax.jit(lambda params, received: [(p + r) / 2 for p, r in zip(params, received)])
+    average(*state)
+
+    def finish():  # both GPUs are done: neither send buffer is read any more
+        peer.barrier()
+        exchange.close()
+
+    def gather(mine):
+        return np.stack([mine, peer.exchange(mine, "the replica check")])
+    trainer = DeviceOrdered(rank, program, indices, data, state, average, gather, args.check,
+                            args.timeout, finish,
+                            report=lambda: {"exchange_callbacks": exchange.callbacks})
+    return trainer, exchange
+
+
+def xla_ordered(rank, world, model, device, xla, args):
+    """``--exchange xla``: the mean over all workers as an XLA all-reduce, inside the step."""
+    train, data = jax_step(model)
+
+    def step(index, data, params):
+        cost, new = train(index[0], data, params)                    # 1. train
+        return xla.mean(cost), ([xla.mean(p) for p in new],)         # 2.-6. all-reduce
+
+    data = [xla.replicated(d) for d in data]
+    state = ([xla.replicated(storage(p)) for p in model.params],)
+    indices = [xla.per_worker(device.put(np.array([world * t + rank], np.int32)))
+               for t in range(model.n_train_batches // world)]
+    program = xla.program(step).lower(indices[0], data, *state).compile()
+    trainer = DeviceOrdered(rank, program, indices, data, state,
+                            lambda params: [xla.local(p) for p in params], xla.gather,
+                            args.check, args.timeout)
+    return trainer
 
 
 def fault_point(rank, where):
@@ -408,6 +429,13 @@ def fault_point(rank, where):
     raise RuntimeError(f"fault injected at {where}")
 
 
+def stop_point(rank, where):
+    """Where a step may stop: on request, or by the fault tests' hook."""
+    if stopping.is_set():
+        raise Interrupted
+    fault_point(rank, where)
+
+
 def die_with_parent():
     """Ask Linux to SIGTERM this worker if the launcher dies, even by SIGKILL."""
     try:
@@ -416,199 +444,224 @@ def die_with_parent():
         pass
 
 
-def worker(rank, rundir):
-    with open(os.path.join(rundir, "config.json")) as f:
-        args = types.SimpleNamespace(**json.load(f))
-    log = print if rank == 0 else (lambda *a, **k: None)  # only worker 0 prints
-    dev, peer_dev = args.devices[rank], args.devices[1 - rank]
+def make_device(dev, jax_on_cpu):
+    if dev != "cpu":
+        return CudaDevice(int(dev))
+    return JaxDevice() if jax_on_cpu else HostDevice()
 
+
+def worker(args, rank, world, dev, rundir):
+    say = print if rank == 0 else (lambda *a, **k: None)  # only global rank 0 prints
     with ExitStack() as cleanup:
-        device = HostDevice() if dev == "cpu" else CudaDevice(int(dev))
+        # JAX's distributed runtime must start before anything else touches JAX
+        xla = XlaExchange(args.coordinator, world, rank, args.timeout, dev == "cpu") \
+            if args.exchange == "xla" else None
+        device = make_device(dev, jax_on_cpu=xla is not None)
         cleanup.callback(device.close)
-
-        data = load_data(args.dataset)
-        for split in data:
-            for shared in split:
-                place(shared, device.put(storage(shared)))  # resident on the device
+        data = load_data(args.dataset, put=device.put)  # resident on the device
         t0 = time.perf_counter()
-        log(f"... building the model; compiling with PyTensor's "
-            f"{'JAX' if device.mode == 'JAX' else 'default'} backend on {device.name} "
-            f"(the first run compiles for a minute or so; later runs use the cache)")
-        model = mlp.Model(data, args.batch_size, args.n_hidden, args.learning_rate, args.l1,
-                          args.l2, args.seed, mode=device.mode)
-        for p in model.params:
-            place(p, device.put(storage(p)))
-
-        layout = Layout([storage(p).shape for p in model.params], pytensor.config.floatX)
-        transport = device.transport(rundir, rank, layout, args.staged)
-        cleanup.callback(transport.close)
-        peer_weights = pytensor.shared(np.zeros(layout.size, layout.dtype), name="peer")
-        place(peer_weights, transport.recv)
-        average = make_average(args.avg, model.params, peer_weights, layout, transport, device)
-        warm_up(model, average, device)
-        log(f"... compiled in {time.perf_counter() - t0:.1f} s")
-
-        state = dict(epoch=0, best_validation_error=np.inf, test_error=np.inf,
-                     validation_errors=[])
-        best_params = [device.to_host(storage(p)).copy() for p in model.params]
+        with cli.heartbeat(f"compiling the model with PyTensor's {cli.backend_name(device.mode)} "
+                           f"backend on {device.name} (the first run takes a minute or so; "
+                           "later runs use the cache)", say):
+            model = mlp.Model(data, args.batch_size, args.n_hidden, args.learning_rate, args.l1,
+                              args.l2, args.seed, mode=device.mode)
+            layout = Layout([p.get_value().shape for p in model.params], pytensor.config.floatX)
+            state = dict(epoch=0, best_validation_error=np.inf, test_error=np.inf,
+                         validation_errors=[])
+            if args.resume:
+                current, best_params, state = mlp.load_checkpoint(args.resume, layout.shapes,
+                                                                  mlp.TRAINING_STATE)
+                model.set_params(current)
+            for p in model.params:
+                place(p, device.put(storage(p)))
+            best_params = best_params if args.resume else model.get_params()
+            start = float(sum(p.sum(dtype=np.float64) for p in model.get_params()))
+            stop_point(rank, "start")
+            if xla:
+                model.warm_up(put=device.put)
+                trainer, peer = xla_ordered(rank, world, model, device, xla, args), None
+                if len(set(xla.gather(np.array([start])).ravel())) > 1:
+                    raise PeerError("the replicas start from different weights")
+                route = "an XLA all-reduce (JAX's distributed runtime)"
+            else:
+                peer = Peer(rundir, rank, args.timeout, stopping, device.spin)
+                cleanup.callback(peer.close)
+                if args.sync == "gpu":
+                    model.warm_up(put=device.put)
+                    trainer, transport = gpu_ordered(rank, world, model, device, layout, peer, args)
+                    route = "CUDA IPC, peer to peer, ordered by the GPUs"
+                else:
+                    transport = device.transport(rundir, rank, layout, args.staged)
+                    cleanup.callback(transport.close)
+                    peer_weights = pytensor.shared(np.zeros(layout.size, layout.dtype), name="peer")
+                    place(peer_weights, transport.recv)
+                    average = make_average(args.avg, model.params, peer_weights, layout,
+                                           transport, device)
+                    model.warm_up(average, put=device.put)
+                    trainer = HostOrdered(rank, model, device, transport, peer, average, args.check)
+                    route = f"{transport.route}, ordered by the host, --avg {args.avg}"
+                # The handshake: swap buffer handles once, and check that both
+                # replicas start from the same weights.
+                theirs = peer.exchange({"handle": transport.handle(), "start": start})
+                if theirs["start"] != start:
+                    raise PeerError("the two replicas start from different weights")
+                transport.connect(theirs["handle"])
+        say(f"... compiled in {time.perf_counter() - t0:.1f} s")
         if args.resume:
-            current, best_params, state = mlp.load_checkpoint(args.resume, layout.shapes)
-            for p, value in zip(model.params, current):
-                place(p, device.put(value))
-            log(f"... resumed from {args.resume} at epoch {state['epoch']}")
+            say(f"... resumed from {args.resume} at epoch {state['epoch']}")
 
-        # The handshake: swap buffer handles once, and check that both
-        # replicas start from the same weights.
-        fault_point(rank, "start")
-        peer = Peer(rundir, rank, args.timeout, stopping, device.spin)
-        cleanup.callback(peer.close)
-        start = float(sum(device.to_host(storage(p)).sum(dtype=np.float64)
-                          for p in model.params))
-        theirs = peer.exchange({"handle": transport.handle(), "start": start})
-        if theirs["start"] != start:
-            raise PeerError("the two replicas start from different weights")
-        transport.connect(theirs["handle"])
-
-        n_steps = model.n_train_batches // 2
-        log(f"... training: {n_steps} steps per epoch on each worker, {args.batch_size} "
-            f"examples per worker per step, devices {dev} and {peer_dev}, --avg {args.avg}, "
-            f"weights through {transport.route}")
-        clock = StepClock()
-        max_diff, steps_run, start_time = 0.0, 0, time.perf_counter()
+        n_steps = model.n_train_batches // world
+        say(f"... training: {world} workers on {', '.join(args.devices)}"
+            f"{f' x {args.nodes} nodes' if args.nodes > 1 else ''}, {args.batch_size} images per "
+            f"worker per step, {n_steps} steps per epoch; weights through {route}")
+        steps_run, train_time, start_time = 0, 0.0, time.perf_counter()
         for epoch in range(state["epoch"] + 1, args.epochs + 1):
-            epoch_start = clock.total()
-            for step in range(n_steps):
-                if stopping.is_set():
-                    raise Interrupted
-                clock.start()
-                fault_point(rank, "train")
-                model.train_model(2 * step + rank)            # 1. my own minibatch
-                values = [storage(p) for p in model.params]
-                device.wait(values)
-                clock.lap("train")
-                transport.publish(values)                     # 2. into my send buffer
-                clock.lap("publish")
-                clock.lap("barrier", waited=peer.barrier())   # 3. both published
-                fault_point(rank, "exchange")
-                transport.fetch()                             # 4. the peer's, into recv
-                clock.lap("copy")
-                clock.lap("barrier", waited=peer.barrier())   # 5. both copied
-                average()                                     # 6. (mine + peer's) / 2
-                device.wait([storage(p) for p in model.params])
-                clock.lap("average")
-                if args.check:
-                    max_diff = max(max_diff, replica_diff(model, transport, peer, layout, device))
-            steps_run += n_steps
-            epoch_time = clock.total() - epoch_start
-
-            if rank == 0:
-                this_validation_error = float(model.validate_model())
-                state["validation_errors"].append(this_validation_error)
-                if this_validation_error < state["best_validation_error"]:
-                    state["best_validation_error"] = this_validation_error
-                    state["test_error"] = float(model.test_model())
-                    best_params = [device.to_host(storage(p)).copy() for p in model.params]
-                state["epoch"] = epoch
-                log(f"epoch {epoch}, minibatch {n_steps}/{n_steps}, validation error "
-                    f"{this_validation_error * 100.:f} %   "
-                    f"({2 * n_steps * args.batch_size / epoch_time:,.0f} samples/s)")
-                if args.save:
-                    mlp.save_checkpoint(args.save, [device.to_host(storage(p))
-                                                    for p in model.params], best_params, **state)
+            epoch_start = time.perf_counter()
+            trainer.epoch(n_steps)
+            epoch_time = time.perf_counter() - epoch_start
+            steps_run, train_time = steps_run + n_steps, train_time + epoch_time
+            if rank != 0:
+                continue
+            if isinstance(trainer, DeviceOrdered):
+                for p, value in zip(model.params, trainer.device_weights()):
+                    place(p, value)
+            this_validation_error = float(model.validate_model())
+            state["validation_errors"].append(this_validation_error)
+            if this_validation_error < state["best_validation_error"]:
+                state["best_validation_error"] = this_validation_error
+                state["test_error"] = float(model.test_model())
+                best_params = model.get_params()
+            state["epoch"] = epoch
+            say(f"epoch {epoch}/{args.epochs}: {n_steps} steps per worker ({world * n_steps} "
+                f"minibatches of {args.batch_size}), validation error "
+                f"{this_validation_error * 100.:.2f} %  "
+                f"({world * n_steps * args.batch_size / epoch_time:,.0f} samples/s)")
+            if args.save:
+                save(args.save, model.get_params(), best_params, state)
+        trainer.finish()
 
         if rank != 0:
             return
-        wall = time.perf_counter() - start_time
-        step_us = {k: 1e6 * v / steps_run for k, v in clock.totals.items()}
-        step_us["exchange"] = sum(step_us[k] for k in ("publish", "barrier", "waiting", "copy"))
-        step_ms = {k: step_us[k] / 1000 for k in ("train", "exchange", "average")}
-        samples_per_s = 2 * steps_run * args.batch_size / clock.total()
-        log(f"Optimization complete. Best validation score of "
-            f"{state['best_validation_error'] * 100.:f} % with test performance "
-            f"{state['test_error'] * 100.:f} %")
-        log(f"The code ran for {steps_run / n_steps / wall:.2f} epochs/s, "
-            f"{samples_per_s:,.0f} samples/s (both workers)")
-        log("mean time per step: train {train:.3f} ms, exchange {exchange:.3f} ms, "
-            "average {average:.3f} ms".format(**step_ms))
-        log("exchange = publish {publish:.0f} us + barriers {barrier:.0f} us + waiting for the "
-            "peer {waiting:.0f} us + copy {copy:.0f} us".format(**step_us))
-        if args.check:
-            log(f"max difference between the replicas after an exchange: {max_diff:g}")
-        if args.json:
-            summary = dict(
-                config={k: v for k, v in vars(args).items() if k != "worker"},
-                command=args.command,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                host=platform.node(), devices=[dev, peer_dev], device_name=device.description,
-                backend=type(pytensor.compile.mode.get_mode(device.mode).linker).__name__,
-                transport=type(transport).__name__, floatX=pytensor.config.floatX,
-                versions=dict(python=platform.python_version(), numpy=np.__version__,
-                              pytensor=pytensor.__version__),
-                validation_errors=state["validation_errors"],
-                best_validation_error=state["best_validation_error"],
-                test_error=state["test_error"], epochs_run=steps_run // n_steps,
-                steps_per_epoch=n_steps, wall_time_s=wall, samples_per_s=samples_per_s,
-                step_ms=step_ms, step_us=step_us, exchange_us_per_step=step_us["exchange"],
-                average_us_per_step=step_us["average"])
-            if args.check:
-                summary["max_replica_diff"] = max_diff
-            with datasets.atomic_write(args.json) as f:
-                f.write(json.dumps(summary, indent=2).encode())
+        summarise(args, state, trainer, steps_run, n_steps, world, train_time,
+                  time.perf_counter() - start_time, device, route, say)
 
 
-class StopRequest:
-    """Set by SIGINT (Ctrl-C) or SIGTERM (the launcher stopping us, or Linux
-    when the launcher dies).  The worker stops at the next step or while it
-    waits for its peer, never inside a compiled call or a checkpoint write,
-    and unwinds: buffers, IPC mappings and sockets are closed on the way out.
-    A plain attribute, not a threading.Event: a signal handler must take no
-    lock, or a second signal arriving inside it deadlocks the worker."""
+def summarise(args, state, trainer, steps_run, n_steps, world, train_time, wall, device, route,
+              say):
+    """Worker 0's closing lines, and the --json summary."""
+    samples_per_s = world * steps_run * args.batch_size / train_time
+    step_us = dict(trainer.step_us(steps_run), step=1e6 * train_time / steps_run)
+    say(f"Optimization complete. Best validation error {state['best_validation_error'] * 100.:.2f} %"
+        f", test error of that model {state['test_error'] * 100.:.2f} % (a separate sample of "
+        "images: it can come out lower than validation)")
+    say(f"Trained at {samples_per_s:,.0f} samples/s ({world} workers), {step_us['step']:.0f} us "
+        "per step" + ("" if "train" not in step_us else
+                      ": train {train:.0f} us, exchange {exchange:.0f} us (publish {publish:.0f} "
+                      "+ signals {signal:.0f} + waiting for the peer {waiting:.0f} + copy "
+                      "{copy:.0f}), average {average:.0f} us".format(**step_us)))
+    if args.check:
+        say(f"max difference between the replicas after an exchange: {trainer.max_diff:g}")
+    if not args.json:
+        return
+    summary = dict(
+        config={k: v for k, v in vars(args).items() if k != "worker"},
+        command=args.command,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        host=platform.node(), devices=args.devices, workers=world, nodes=args.nodes,
+        exchange=args.exchange, sync=args.sync, route=route, device_name=device.description,
+        backend=type(pytensor.compile.mode.get_mode(device.mode).linker).__name__,
+        floatX=pytensor.config.floatX,
+        versions=dict(python=platform.python_version(), numpy=np.__version__,
+                      pytensor=pytensor.__version__),
+        validation_errors=state["validation_errors"],
+        best_validation_error=state["best_validation_error"],
+        test_error=state["test_error"], epochs_run=steps_run // n_steps,
+        steps_per_epoch=n_steps, wall_time_s=wall, training_time_s=train_time,
+        samples_per_s=samples_per_s, step_us=step_us)
+    if "exchange" in step_us:
+        summary["exchange_us_per_step"] = step_us["exchange"]
+    if args.check:
+        summary["max_replica_diff"] = trainer.max_diff
+    summary.update(trainer.report())
+    write_summary(args.json, summary)
 
-    signum = 0
 
-    def is_set(self):
-        return self.signum != 0
-
-
-stopping = StopRequest()
-
-
-def request_stop(signum, frame):
-    stopping.signum = signum
+def save(path, params, best_params, state):
+    """The epoch's checkpoint; a write that fails (a full disk) leaves the
+    previous checkpoint as it was, and training goes on."""
+    try:
+        mlp.save_checkpoint(path, params, best_params, **state)
+    except OSError as e:
+        print(f"worker 0: warning: could not write {path} ({e.strerror}): the previous one "
+              "is kept", file=sys.stderr)
 
 
-def run_worker(rank, rundir):
+def write_summary(path, summary):
+    text = json.dumps(summary, indent=2)
+    try:
+        with datasets.atomic_write(path) as f:
+            f.write(text.encode())
+    except OSError as e:  # a full disk, say: the run's result must not be lost
+        print(f"worker 0: error: could not write {path} ({e.strerror}); the summary "
+              "follows on stdout", file=sys.stderr)
+        print(text)
+        raise SystemExit(1)
+
+
+def run_worker(index, rundir):
     launcher = os.getppid()
     die_with_parent()
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    cli.install_stop_handler(request_stop)
+    with open(os.path.join(rundir, "config.json")) as f:
+        args = types.SimpleNamespace(**json.load(f))
+    rank, world = args.node_rank * len(args.devices) + index, args.nodes * len(args.devices)
+    code = 0
     try:
-        worker(rank, rundir)
+        worker(args, rank, world, args.devices[index], rundir)
     except Interrupted:
-        sys.exit(128 + stopping.signum)
+        code = 128 + stopping.signum
     except (PeerError, mlp.CheckpointError, datasets.DatasetError) as e:
         print(f"worker {rank}: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        code = 1
+    except Exception:
+        traceback.print_exc()
+        code = 1
     finally:
         # Told to stop, or orphaned: the launcher may be dying too, and the
         # files there are of no use to the peer any more (it has them open).
         if stopping.is_set() or os.getppid() != launcher:
             shutil.rmtree(rundir, ignore_errors=True)
+    if code:
+        quit_now(code)
+    return 0
+
+
+def quit_now(code):
+    """Exit without Python's clean-up: a GPU may wait for ever on a peer that
+    is gone, and freeing its memory, or JAX's own exit, would wait with it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         return run_worker(int(args.worker[0]), args.worker[1])
+    started = time.perf_counter()
     try:
-        notices = check_request(args)
-    except (UsageError, datasets.DatasetError, mlp.CheckpointError) as e:
+        notices = launcher.check_request(args, BATCH_SIZE, SHIPPED_BATCH_SIZE)
+    except (launcher.UsageError, datasets.DatasetError, mlp.CheckpointError) as e:
         print(f"dual_mlp.py: error: {e}", file=sys.stderr)
         return 2
     for notice in notices:
-        print(notice)
+        print(notice, file=sys.stderr if notice.startswith("warning:") else sys.stdout)
     args.command = shlex.join(["python", "dual_mlp.py"] + (sys.argv[1:] if argv is None else argv))
-    return launch(args)
+    code = launcher.launch(args, os.path.abspath(__file__))
+    if code == 0:
+        print(f"total wall time {time.perf_counter() - started:.1f} s (start-up and compile "
+              "included)")
+    return code
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ Three pieces, each small enough to read in one go:
     buffer handle) and, every step, the barriers: each side sends the step
     number and waits for the other's.  Every wait has a timeout.
 
-``HostDevice`` / ``CudaDevice``
+``HostDevice`` / ``JaxDevice`` / ``CudaDevice``
     where a worker's arrays live.  On the CPU, PyTensor's default backend
-    runs the graph on NumPy arrays.  On a GPU, PyTensor's JAX backend runs it
+    runs the graph on NumPy arrays (or, for ``--exchange xla``, its JAX
+    backend on JAX's CPU device).  On a GPU, PyTensor's JAX backend runs it
     on ``jax.Array`` buffers of that GPU, and PyCUDA works on the same memory
     through the device's primary context, the one JAX uses too.
 
@@ -27,15 +28,25 @@ the transports
     * ``StagedCudaTransport`` (GPU pairs that cannot reach each other's
       memory): device -> mapped host file -> device.
 
+``XlaExchange`` (``--exchange xla``)
+    no home-made transport at all: the workers are the processes of one JAX
+    job (``jax.distributed``), and the average is a ``pmean`` that XLA runs
+    with NCCL between GPUs or gloo between CPUs, inside the compiled step.
+
 The weights of all layers travel as one flat buffer; ``Layout`` says where
-each parameter sits in it.
+each parameter sits in it.  (``stream_exchange.py`` holds the GPU-ordered
+variant of the peer-to-peer exchange.)
 """
+import contextlib
 import os
 import pickle
 import platform
 import shutil
 import struct
+import sys
+import threading
 import time
+import warnings
 
 import numpy as np
 import zmq
@@ -47,6 +58,26 @@ class PeerError(Exception):
 
 class Interrupted(Exception):
     """This worker was asked to stop (SIGINT or SIGTERM) while it waited."""
+
+
+class StopRequest:
+    """Set by SIGINT (Ctrl-C) or SIGTERM (the launcher stopping us, or Linux
+    when the launcher dies).  A worker stops at the next step or while it
+    waits for its peer, never inside a compiled call or a checkpoint write.
+    A plain attribute, not a threading.Event: a signal handler must take no
+    lock, or a second signal arriving inside it deadlocks the process."""
+
+    signum = 0
+
+    def is_set(self):
+        return self.signum != 0
+
+
+stopping = StopRequest()
+
+
+def request_stop(signum, frame):
+    stopping.signum = signum
 
 
 class Peer:
@@ -166,7 +197,42 @@ class HostDevice:
         pass
 
 
-class CudaDevice:
+class JaxDevice:
+    """A worker whose graph PyTensor compiles with its JAX backend, on the one
+    JAX device this process sees (its GPU, or the CPU for ``--exchange xla``
+    on CPUs)."""
+
+    mode = "JAX"
+    spin = 0.0
+
+    def __init__(self):
+        import jax
+        self.jax = jax
+        # PyTensor's JAX backend drops shape assertions and float64 casts (JAX
+        # runs 32-bit); it says so once per compiled graph, harmlessly
+        warnings.filterwarnings("ignore", "Skipping Assert")
+        warnings.filterwarnings("ignore", "Explicitly requested dtype")
+        # full float32 matrix products (JAX may otherwise round them to TF32),
+        # so that the GPU path follows the CPU path's numbers
+        jax.config.update("jax_default_matmul_precision", "highest")
+        (self.jax_device,) = jax.local_devices()  # creates JAX's context on our GPU
+        self.name = f"{self.jax_device.platform}{self.jax_device.id}"
+        self.description = self.jax_device.device_kind
+
+    def put(self, array):
+        return self.jax.device_put(np.asarray(array), self.jax_device)
+
+    def to_host(self, value):
+        return np.array(value)
+
+    def wait(self, values):
+        self.jax.block_until_ready(values)
+
+    def close(self):
+        pass
+
+
+class CudaDevice(JaxDevice):
     """A worker bound to one GPU.
 
     The launcher started this process with ``CUDA_VISIBLE_DEVICES`` naming
@@ -177,36 +243,27 @@ class CudaDevice:
     and the reverse.
     """
 
-    mode = "JAX"
     spin = 0.002
 
     def __init__(self, index):
-        import jax
+        super().__init__()
         import pycuda.driver as drv
         from pycuda.compiler import SourceModule
 
-        self.jax, self.drv, self.name = jax, drv, f"cuda{index}"
-        # full float32 matrix products (JAX may otherwise round them to TF32),
-        # so that the GPU path follows the CPU path's numbers
-        jax.config.update("jax_default_matmul_precision", "highest")
-        (self.jax_device,) = jax.devices()  # creates JAX's context on our GPU
+        self.drv, self.name = drv, f"cuda{index}"
         drv.init()
         self.description = drv.Device(0).name()
         self.context = drv.Device(0).retain_primary_context()
         self.context.push()
         self.stream = drv.Stream()
         # One small kernel, launched once per parameter: mine = (mine + peer) / 2.
-        nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-        self._average = SourceModule(nvcc=nvcc, source="""
+        self._average = SourceModule(nvcc=nvcc(), source="""
             __global__ void average(float *mine, const float *peer, unsigned n) {
                 for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
                      i += blockDim.x * gridDim.x)
                     mine[i] = 0.5f * (mine[i] + peer[i]);
             }""").get_function("average")
         self._average.prepare("PPI")
-
-    def put(self, array):
-        return self.jax.device_put(np.asarray(array), self.jax_device)
 
     def to_host(self, value):
         """A fresh host copy.  Not np.asarray: a jax.Array caches its first host
@@ -215,9 +272,6 @@ class CudaDevice:
         host = np.empty(value.shape, value.dtype)
         self.drv.memcpy_dtoh(host, self.pointer(value))
         return host
-
-    def wait(self, values):
-        self.jax.block_until_ready(values)
 
     @staticmethod
     def pointer(array):
@@ -244,6 +298,11 @@ class CudaDevice:
     def close(self):
         self.context.pop()
         self.context.detach()
+
+
+def nvcc():
+    """The CUDA compiler PyCUDA builds the kernels with."""
+    return shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
 
 
 class HostTransport:
@@ -330,3 +389,86 @@ class StagedCudaTransport(HostTransport):
 
     def fetch(self):
         self.device.drv.memcpy_htod(self.device.pointer(self.recv), self.peer)
+
+
+class XlaExchange:
+    """``--exchange xla``: the workers are the processes of one JAX job.
+
+    ``jax.distributed.initialize`` connects every worker to a coordinator,
+    which global rank 0 hosts; from then on ``jax.devices()`` lists every
+    worker's device, one each, and a program compiled over a mesh of them
+    averages with an XLA all-reduce: NCCL between GPUs, gloo between CPUs.
+    The runtime's own heartbeats end every process within ``HEARTBEAT``
+    seconds of one vanishing, on whichever machine it ran.
+    """
+
+    HEARTBEAT = 10  # seconds
+
+    def __init__(self, coordinator, n_workers, rank, timeout, cpu):
+        import jax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        if cpu:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # JAX would abort with a stack trace after its own timeout: say why first
+        with deadline(timeout, f"worker {rank}: error: the {n_workers} workers did not all "
+                               f"meet at the coordinator {coordinator} within {timeout:g} s "
+                               "(is every node started, and can it reach that address? "
+                               "see --timeout)"):
+            jax.distributed.initialize(
+                coordinator, num_processes=n_workers, process_id=rank,
+                local_device_ids=None if cpu else [0], coordinator_bind_address=coordinator,
+                initialization_timeout=int(timeout) + 30, heartbeat_timeout_seconds=self.HEARTBEAT,
+                shutdown_timeout_seconds=int(timeout))
+        self.jax, self.P, self.n = jax, PartitionSpec, n_workers
+        self.mesh = Mesh(np.array(jax.devices()), ("workers",))
+        self.same_everywhere = NamedSharding(self.mesh, PartitionSpec())
+        self.one_each = NamedSharding(self.mesh, PartitionSpec("workers"))
+
+    def replicated(self, local):
+        """A global array from this worker's copy of a value all workers hold."""
+        return self.jax.make_array_from_single_device_arrays(local.shape, self.same_everywhere,
+                                                             [local])
+
+    def per_worker(self, local):
+        """A global (n_workers, ...) array whose row k is worker k's ``local`` (1, ...)."""
+        return self.jax.make_array_from_single_device_arrays((self.n,) + local.shape[1:],
+                                                             self.one_each, [local])
+
+    @staticmethod
+    def local(value):
+        """This worker's copy of a global array, on its own device."""
+        return value.addressable_data(0)
+
+    def mean(self, value):
+        """Inside ``program``: the mean over all workers (an XLA all-reduce)."""
+        return self.jax.lax.pmean(value, "workers")
+
+    def program(self, step):
+        """``step(index, data, params)`` compiled as one SPMD program over all
+        workers: ``index`` is per worker, the rest is the same on every worker."""
+        P = self.P
+        return self.jax.jit(self.jax.shard_map(step, mesh=self.mesh, in_specs=(P("workers"), P(), P()),
+                                               out_specs=P(), check_vma=False),
+                            donate_argnums=2)  # the weights: updated in place
+
+    def gather(self, host_array):
+        """Every worker's ``host_array``, stacked: (n_workers, ...)."""
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(host_array))
+
+
+@contextlib.contextmanager
+def deadline(seconds, message):
+    """End this process with ``message`` if the block takes longer than
+    ``seconds``: for blocking start-up calls that no signal interrupts."""
+    def expire():
+        print(message, file=sys.stderr, flush=True)
+        os._exit(1)
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

@@ -17,12 +17,18 @@ between its two workers after every step.
 Run alone, this file trains one model on one process, as the tutorial did::
 
     python mlp.py [--dataset PATH] [--epochs 10] [--batch-size 20] [--save model.npz]
+    THEANO_FLAGS=device=cuda0 python mlp.py      # on GPU 0, through PyTensor's JAX backend
 """
-import argparse
+import cli  # first: quiet Ctrl-C and closed pipes from the very start
+import datetime
+import json
+import os
+import platform
+import shlex
 import sys
 import time
 
-import theano_flags  # noqa: F401  (maps THEANO_FLAGS onto PyTensor; must precede it)
+import theano_flags  # maps THEANO_FLAGS onto PyTensor; must precede it
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -127,13 +133,34 @@ class Model:
     def get_params(self):
         return [np.array(p.get_value()) for p in self.params]
 
-    def set_params(self, values):
+    def set_params(self, values, put=np.asarray):
+        """Set the weights; ``put`` places each array where the backend
+        computes (``jax.device_put`` for a GPU), so it stays there."""
         for p, v in zip(self.params, values):
-            p.set_value(np.asarray(v, dtype=p.dtype))
+            p.container.storage[0] = put(np.asarray(v, dtype=p.dtype))
+
+    def warm_up(self, *more, put=np.asarray):
+        """Call every compiled function once (and ``more``), then put the
+        weights back: the Numba and JAX backends compile on the first call,
+        which must not land inside a timed step.  The weights are placed
+        with ``put`` first: JAX compiles anew for arrays that live elsewhere
+        (NumPy then device arrays cost a second compile, in the loop)."""
+        saved = self.get_params()
+        self.set_params(saved, put)
+        self.train_model(0)
+        self.validate_model()
+        self.test_model()
+        for f in more:
+            f()
+        self.set_params(saved, put)
 
 
 class CheckpointError(Exception):
     """A checkpoint that does not fit the model, with a one-line message."""
+
+
+# the training state a dual_mlp.py checkpoint holds beside the weights
+TRAINING_STATE = ("epoch", "best_validation_error", "test_error", "validation_errors")
 
 
 def save_checkpoint(path, params, best_params, **state):
@@ -151,9 +178,11 @@ def parameter_shapes(n_in, n_hidden, n_out):
     return [(n_in, n_hidden), (n_hidden,), (n_hidden, n_out), (n_out,)]
 
 
-def load_checkpoint(path, shapes):
+def load_checkpoint(path, shapes, state=("epoch",)):
     """Read a checkpoint written by ``save_checkpoint`` for a model whose
-    parameters have ``shapes``; returns (params, best_params, state)."""
+    parameters have ``shapes``, and check all of it: every parameter, its
+    best-validation twin, and the training ``state`` entries named.
+    Returns (params, best_params, state)."""
     try:
         with np.load(path) as f:
             saved = {k: f[k] for k in f.files}
@@ -161,78 +190,136 @@ def load_checkpoint(path, shapes):
         raise CheckpointError(f"checkpoint not found: {path}") from None
     except Exception as e:
         raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__})") from None
-    try:
-        current = [saved.pop(f"params_{i}") for i in range(len(shapes))]
-        best = [saved.pop(f"best_{i}") for i in range(len(shapes))]
-        saved["epoch"]
-    except KeyError:
-        raise CheckpointError(f"{path}: not a checkpoint of this model") from None
-    for i, (v, shape) in enumerate(zip(current, shapes)):
+    names = [f"{kind}_{i}" for kind in ("params", "best") for i in range(len(shapes))]
+    missing = [k for k in names + list(state) if k not in saved]
+    if missing:
+        whose = "dual_mlp.py" if "validation_errors" in state else "this script"
+        raise CheckpointError(f"{path}: not a {whose} checkpoint of this model: no "
+                              f"{', '.join(missing)}" + (" (mlp.py --save writes a final model, "
+                                                         "not a training state)"
+                                                         if names[0] in saved else ""))
+    arrays = [saved.pop(k) for k in names]
+    for name, v, shape in zip(names, arrays, shapes + shapes):
         if v.shape != tuple(shape):
-            raise CheckpointError(f"{path}: parameter {i} has shape {v.shape}, the model "
+            raise CheckpointError(f"{path}: {name} has shape {v.shape}, the model "
                                   f"{tuple(shape)} (another --n-hidden?)")
-    return current, best, {k: v.item() if v.ndim == 0 else v.tolist() for k, v in saved.items()}
+    values = {k: v.item() if v.ndim == 0 else v.tolist() for k, v in saved.items()}
+    if "validation_errors" in state and len(values["validation_errors"]) != values["epoch"]:
+        raise CheckpointError(f"{path}: {len(values['validation_errors'])} validation errors "
+                              f"for {values['epoch']} epochs: not a consistent checkpoint")
+    return arrays[:len(shapes)], arrays[len(shapes):], values
 
 
 def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, dataset=None,
-             batch_size=20, n_hidden=500, seed=1234, save=None):
+             batch_size=20, n_hidden=500, seed=1234, save=None, json_path=None, device=None):
     """Stochastic gradient descent on the MLP, the tutorial's demonstration
     reduced to its core loop: train on every minibatch, validate after each
-    epoch, keep the test error of the best-validation model."""
+    epoch, keep the test error of the best-validation model.
+
+    :param device: None for PyTensor's default backend on the CPU, or an
+        ``exchange.JaxDevice`` (a GPU: ``THEANO_FLAGS=device=cuda0``)
+    """
     dataset, notice = datasets.resolve(dataset)
     if notice:
         print(notice)
-    data = load_data(dataset)
-    print("... building and compiling the model (the first run compiles C code: "
-          "a minute or so)")
-    model = Model(data, batch_size, n_hidden, learning_rate, L1_reg, L2_reg, seed)
+    mode, put = (device.mode, device.put) if device else (None, np.asarray)
+    data = load_data(dataset, put=put if device else None)
+    n_train = data[0][0].get_value(borrow=True).shape[0]
+    if n_train < batch_size:
+        raise datasets.DatasetError(f"batch size {batch_size} is larger than the training set "
+                                    f"({n_train} images)")
+    where = f" on {device.name}" if device else ""
+    with cli.heartbeat(f"building the model and compiling it with PyTensor's "
+                       f"{cli.backend_name(mode)} backend{where} (the first run takes a minute "
+                       "or so; later runs use the cache)"):
+        model = Model(data, batch_size, n_hidden, learning_rate, L1_reg, L2_reg, seed, mode=mode)
+        model.warm_up(put=put)
     n_train_batches = model.n_train_batches
-    if n_train_batches == 0:
-        raise datasets.DatasetError(f"batch size {batch_size} is larger than the training set")
 
     print("... training")
     best_validation_loss, test_score, best_params = np.inf, np.inf, model.get_params()
-    start_time = time.perf_counter()
+    validation_losses, train_time = [], 0.0
     for epoch in range(1, n_epochs + 1):
+        start = time.perf_counter()
         for minibatch_index in range(n_train_batches):
-            model.train_model(minibatch_index)
+            cost = model.train_model(minibatch_index)
+        float(cost)  # the epoch's steps are done (a JAX device runs behind the host)
+        train_time += time.perf_counter() - start
         this_validation_loss = float(model.validate_model())
+        validation_losses.append(this_validation_loss)
         print(f"epoch {epoch}, minibatch {n_train_batches}/{n_train_batches}, "
               f"validation error {this_validation_loss * 100.:f} %")
         if this_validation_loss < best_validation_loss:
             best_validation_loss = this_validation_loss
             test_score = float(model.test_model())
             best_params = model.get_params()
-    elapsed = time.perf_counter() - start_time
+    samples_per_s = n_epochs * n_train_batches * batch_size / train_time
     print(f"Optimization complete. Best validation score of {best_validation_loss * 100.:f} % "
           f"with test performance {test_score * 100.:f} %")
-    print(f"The code ran for {n_epochs / elapsed:.2f} epochs/s "
-          f"({n_epochs * n_train_batches * batch_size / elapsed:,.0f} samples/s)")
+    print(f"The code ran for {n_epochs / train_time:.2f} epochs/s of training "
+          f"({samples_per_s:,.0f} samples/s, {1e6 * train_time / n_epochs / n_train_batches:.0f} "
+          "us per step; the compile and the validation not counted)")
     if save:
         save_checkpoint(save, model.get_params(), best_params, epoch=n_epochs,
                         best_validation_error=best_validation_loss, test_error=test_score)
+    if json_path:
+        summary = dict(
+            command=shlex.join(["python", "mlp.py"] + sys.argv[1:]),
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            host=platform.node(), device=device.description if device else "cpu",
+            backend=cli.backend_name(mode), batch_size=batch_size, epochs=n_epochs,
+            steps=n_epochs * n_train_batches, training_time_s=train_time,
+            samples_per_s=samples_per_s, step_us=1e6 * train_time / n_epochs / n_train_batches,
+            validation_errors=validation_losses, best_validation_error=best_validation_loss,
+            test_error=test_score)
+        with datasets.atomic_write(json_path) as f:
+            f.write(json.dumps(summary, indent=2).encode())
     return best_validation_loss, test_score
 
 
+def gpu_from_flags():
+    """THEANO_FLAGS=device=cudaN: this process on GPU N, through PyTensor's JAX
+    backend, as Theano's flag put it there (None: the CPU)."""
+    if not theano_flags.DEVICE:
+        return None
+    os.environ.update(CUDA_VISIBLE_DEVICES=theano_flags.DEVICE[4:], JAX_PLATFORMS="cuda",
+                      XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    from exchange import JaxDevice
+    try:
+        return JaxDevice()
+    except Exception as e:  # no JAX with CUDA, no such GPU
+        raise datasets.DatasetError(f"THEANO_FLAGS device={theano_flags.DEVICE}: no such GPU "
+                                    f"for JAX ({str(e).splitlines()[0]})") from None
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Train the tutorial's MLP on one process.")
-    parser.add_argument("--dataset", help="mnist.pkl.gz or a folder of IDX files "
-                        "(default: ./mnist.pkl.gz, else the shipped 5,000 digits)")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=20)
-    parser.add_argument("--learning-rate", type=float, default=0.01)
-    parser.add_argument("--n-hidden", type=int, default=500)
-    parser.add_argument("--l1", type=float, default=0.0)
-    parser.add_argument("--l2", type=float, default=0.0001)
+    parser = cli.tutorial_parser("Train the tutorial's MLP on one process (on a GPU with "
+                                 "THEANO_FLAGS=device=cuda0).", epochs=10, batch_size=20,
+                                 learning_rate=0.01)
+    parser.add_argument("--n-hidden", type=cli.positive_int, default=500,
+                        help="hidden units (default: %(default)s)")
+    parser.add_argument("--l1", type=cli.non_negative, default=0.0,
+                        help="L1 weight penalty (default: %(default)s)")
+    parser.add_argument("--l2", type=cli.non_negative, default=0.0001,
+                        help="squared L2 weight penalty (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=1234, help="weight initialisation seed")
-    parser.add_argument("--save", metavar="PATH", help="write the final model (.npz) here")
+    parser.add_argument("--save", metavar="PATH", type=cli.writable,
+                        help="write the final model (.npz) here")
+    parser.add_argument("--json", metavar="PATH", type=cli.writable,
+                        help="write a summary (timings, errors) as JSON")
     args = parser.parse_args(argv)
     try:
         test_mlp(args.learning_rate, args.l1, args.l2, args.epochs, args.dataset,
-                 args.batch_size, args.n_hidden, args.seed, args.save)
+                 args.batch_size, args.n_hidden, args.seed, args.save, args.json,
+                 gpu_from_flags())
     except datasets.DatasetError as e:
-        sys.exit(f"error: {e}")
+        print(f"mlp.py: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a write that failed at the end (a full disk): the file before is kept
+        print(f"mlp.py: error: could not write {e.filename}: {e.strerror}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,33 +8,61 @@ imports this module before ``pytensor``.  The seed was run as::
 * Flags PyTensor shares with Theano (``mode``, ``floatX``, ``optimizer``,
   ``compiledir``, ...) pass through; ``PYTENSOR_FLAGS`` wins where both set one.
 * Theano's old mode names become PyTensor's (``DEBUG_MODE`` -> ``DebugMode``).
-* Theano's GPU flags (``device=cuda0``, ``gpuarray__*``, ...) are warned about
-  and dropped: here the GPUs are the positional arguments of ``dual_mlp.py``.
-* ``floatX`` defaults to float32, the seed's setting and what GPUs need.
+* ``device=cuda0`` is kept in ``DEVICE`` for the scripts to honour:
+  ``mlp.py`` and ``logistic_sgd.py`` then run on that GPU through PyTensor's
+  JAX backend, as Theano's flag did; ``dual_mlp.py`` takes its devices as
+  arguments and says it ignores the flag.
+* Theano's other GPU flags (``gpuarray__*``, ``dnn__*``, ...) are warned
+  about and dropped.
+* ``floatX`` defaults to float32, the seed's setting and what GPUs need
+  (float64 is the other choice).
+
+Flags PyTensor would reject (an unknown mode, a bad value) end the script
+here, on one line with exit code 2, instead of in a traceback at import.
 
 The mapped flags are written back to the environment and ``THEANO_FLAGS`` is
 removed, so child processes inherit the result without warning again.
 """
 import os
+import re
 import sys
 
-THEANO_ONLY = ("device", "init_gpu_device", "contexts", "force_device", "print_active_device",
+THEANO_ONLY = ("init_gpu_device", "contexts", "force_device", "print_active_device",
                "gpuarray__", "dnn__", "lib__cnmem", "nvcc__", "cuda__", "pycuda__",
                "enable_initial_driver_test")
 MODES = {"DEBUG_MODE": "DebugMode", "PROFILE_MODE": "FAST_RUN"}
 
 
-def parse(flags):
+FLOATX = ("float32", "float64")  # what the demo's models are written for
+DEVICE = None  # THEANO_FLAGS' device, e.g. 'cuda0'; None for the CPU
+
+
+class FlagError(ValueError):
+    """A flag string that cannot be used, with a one-line message."""
+
+
+def parse(flags, name="THEANO_FLAGS"):
     """'a=1,b=2' -> {'a': '1', 'b': '2'} (Theano's syntax; '.' in names is '__')."""
-    pairs = (item.split("=", 1) for item in flags.split(",") if item.strip())
-    return {k.strip().replace(".", "__"): v.strip() for k, v in pairs}
+    parsed = {}
+    for item in filter(str.strip, flags.split(",")):
+        if "=" not in item:
+            raise FlagError(f"{name}: '{item.strip()}' is not of the form name=value")
+        key, value = item.split("=", 1)
+        parsed[key.strip().replace(".", "__")] = value.strip()
+    return parsed
 
 
 def to_pytensor(theano_flags, pytensor_flags=""):
-    """The PYTENSOR_FLAGS string for these flag strings, and the warnings."""
-    flags, warnings = {}, []
+    """The PYTENSOR_FLAGS string for these flag strings, the warnings, and
+    the device asked for (None for the CPU)."""
+    flags, warnings, device = {}, [], None
     for key, value in parse(theano_flags).items():
-        if key.startswith(THEANO_ONLY):
+        if key == "device":
+            gpu = re.fullmatch(r"(?:cuda|gpu)(\d*)", value)
+            if not (gpu or value == "cpu"):
+                raise FlagError(f"THEANO_FLAGS: device={value}: expected cpu or cudaN")
+            device = gpu and f"cuda{gpu.group(1) or 0}"
+        elif key.startswith(THEANO_ONLY):
             warnings.append(f"THEANO_FLAGS: '{key}={value}' is a Theano-only flag, ignored "
                             "(dual_mlp.py takes its devices as arguments: dual_mlp.py 0 1)")
         elif key == "mode":
@@ -43,15 +71,34 @@ def to_pytensor(theano_flags, pytensor_flags=""):
                 flags["profile"] = "True"
         else:
             flags[key] = value
-    flags.update(parse(pytensor_flags))
-    flags.setdefault("floatX", "float32")
-    return ",".join(f"{k}={v}" for k, v in flags.items()), warnings
+    flags.update(parse(pytensor_flags, "PYTENSOR_FLAGS"))
+    if flags.get("floatX", FLOATX[0]) not in FLOATX:
+        raise FlagError(f"floatX={flags['floatX']}: the models here run in float32 or float64")
+    return ",".join(f"{k}={v}" for k, v in flags.items()), warnings, device
 
 
 def apply(environ=os.environ):
-    pytensor_flags, warnings = to_pytensor(environ.pop("THEANO_FLAGS", ""),
-                                           environ.get("PYTENSOR_FLAGS", ""))
-    environ["PYTENSOR_FLAGS"] = pytensor_flags
+    """Map the flags, then import PyTensor, which reads them: a flag it
+    rejects ends the script in one line (exit 2)."""
+    global DEVICE
+    script = os.path.basename(sys.argv[0]) or "python"
+    try:
+        pytensor_flags, warnings, DEVICE = to_pytensor(environ.pop("THEANO_FLAGS", ""),
+                                                       environ.get("PYTENSOR_FLAGS", ""))
+        environ["PYTENSOR_FLAGS"] = pytensor_flags
+        import pytensor  # reads the flags
+    except ValueError as e:  # FlagError, or PyTensor's own check of a value
+        message = str(e).splitlines()[0]
+        if not isinstance(e, FlagError):  # name the flag PyTensor refused
+            culprit = [f"{k}={v}" for k, v in parse(environ["PYTENSOR_FLAGS"]).items()
+                       if v and v in message]
+            message = f"PYTENSOR_FLAGS: {(culprit or ['a flag'])[0]}: {message}"
+        print(f"{script}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+    if "floatX" not in parse(pytensor_flags):
+        # the default, set here rather than in the flags that child
+        # processes inherit, where it would override their own THEANO_FLAGS
+        pytensor.config.floatX = FLOATX[0]
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
 

@@ -19,11 +19,13 @@ def main():
     args = parser.parse_args()
     pytest = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-s", "-rA", "-p",
               "no:cacheprovider", "-o", "timeout=240"]
-    out = subprocess.run(pytest + ["tests/test_gpu.py"], cwd=ROOT, capture_output=True, text=True)
-    log = out.stdout + out.stderr
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_checks.log"), "w") as f:
-        f.write(log)
+    log_path = os.path.join(args.out, "gpu_checks.log")
+    with open(log_path, "w") as f:  # as it runs: a run cut short keeps its log
+        out = subprocess.run(pytest + ["tests/test_gpu.py"], cwd=ROOT, stdout=f,
+                             stderr=subprocess.STDOUT, text=True)
+    with open(log_path) as f:
+        log = f.read()
     # pytest's closing summary (-rA): one "OUTCOME test-id" line per test
     outcomes = {test: outcome for outcome, test in
                 re.findall(r"^(PASSED|FAILED|SKIPPED|ERROR) (tests/\S+)", log, re.M)}

@@ -54,20 +54,14 @@ def test_python2_pickle_loads(tmp_path):
         np.testing.assert_array_equal(y, y0)
 
 
-def write_idx(path, array):
-    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(
-        f">{array.ndim}I", *array.shape)
-    path.write_bytes(gzip.compress(header + array.astype(np.uint8).tobytes(), compresslevel=1))
-
-
 def idx_folder(folder, n_train=10050, n_test=40):
     rng = np.random.RandomState(0)
     images = {"train": rng.randint(0, 256, (n_train, 28, 28)),
               "t10k": rng.randint(0, 256, (n_test, 28, 28))}
     labels = {"train": rng.randint(0, 10, n_train), "t10k": rng.randint(0, 10, n_test)}
     for kind in ("train", "t10k"):
-        write_idx(folder / f"{kind}-images-idx3-ubyte.gz", images[kind])
-        write_idx(folder / f"{kind}-labels-idx1-ubyte.gz", labels[kind])
+        datasets.write_idx(str(folder / f"{kind}-images-idx3-ubyte.gz"), images[kind])
+        datasets.write_idx(str(folder / f"{kind}-labels-idx1-ubyte.gz"), labels[kind])
     return images, labels
 
 
@@ -78,6 +72,17 @@ def test_idx_folder_loads_with_the_last_10000_training_images_for_validation(tmp
     np.testing.assert_allclose(vx[-1] * 255, images["train"][-1].ravel(), atol=1e-3)
     np.testing.assert_array_equal(ty, labels["train"][:50])
     np.testing.assert_array_equal(sy, labels["t10k"])
+
+
+def test_an_unpacked_idx_folder_reads_the_same(tmp_path):
+    (tmp_path / "gz").mkdir()
+    (tmp_path / "raw").mkdir()
+    idx_folder(tmp_path / "gz")
+    for f in datasets.IDX_FILES:
+        (tmp_path / "raw" / f[:-3]).write_bytes(gzip.decompress((tmp_path / "gz" / f).read_bytes()))
+    for a, b in zip(datasets.read(str(tmp_path / "gz")), datasets.read(str(tmp_path / "raw"))):
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[1], b[1])
 
 
 @pytest.mark.skipif(not FASHION.exists(), reason="needs Debian's dataset-fashion-mnist "

@@ -13,8 +13,8 @@ import pytest
 
 import mlp
 from conftest import FASHION, ROOT, dual, start_dual, wait_for, workers_of
-from dual_mlp import usable_gpus, worker_environment
-from test_faults import finish, wait_until_training
+from launcher import usable_gpus, worker_environment
+from test_faults import finish, kill_one_worker, wait_until_training
 
 N_GPUS = usable_gpus()[0]
 pytestmark = [pytest.mark.gpu,
@@ -35,7 +35,7 @@ def test_ipc_copy_is_exact_for_every_parameter_shape(devices, staged):
     with tempfile.TemporaryDirectory() as rundir:
         procs = [subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "ipc_probe.py"), str(rank), rundir, dev]
-            + (["--staged"] if staged else []), env=worker_environment(dev),
+            + (["--staged"] if staged else []), env=worker_environment(dev, 2),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for rank, dev in enumerate(devices)]
         for p in procs:
@@ -47,26 +47,31 @@ def test_ipc_copy_is_exact_for_every_parameter_shape(devices, staged):
 @pytest.mark.parametrize("avg", ["theano", "pycuda", "cpu"])
 def test_replicas_identical_and_following_the_cpu_path(tmp_path, avg):
     args = ("--avg", avg, "--epochs", 2, "--check")
-    gpu, _ = run_json(tmp_path, "gpu", *PAIR, *args)
+    gpu, _ = run_json(tmp_path, "gpu", *PAIR, "--sync", "host", *args)
     cpu, _ = run_json(tmp_path, "cpu", "cpu", "cpu", *args)
     assert gpu["max_replica_diff"] == 0.0
-    assert gpu["backend"] == "JAXLinker" and gpu["transport"] == "CudaIpcTransport"
+    assert gpu["backend"] == "JAXLinker" and gpu["sync"] == "host"
+    assert gpu["route"] == f"CUDA IPC, peer to peer, ordered by the host, --avg {avg}"
     np.testing.assert_allclose(gpu["validation_errors"], cpu["validation_errors"], atol=0.003)
     for a, b in zip(mlp.load_checkpoint(str(tmp_path / "gpu.npz"), SHAPES)[0],
                     mlp.load_checkpoint(str(tmp_path / "cpu.npz"), SHAPES)[0]):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
 
 
-def test_two_workers_on_one_gpu(tmp_path):
-    summary, _ = run_json(tmp_path, "same", "0", "0", "--epochs", 2, "--check")
+def test_two_workers_on_one_gpu_fall_back_to_the_host_ordered_loop(tmp_path):
+    summary, out = run_json(tmp_path, "same", "0", "0", "--epochs", 2, "--check")
     assert summary["max_replica_diff"] == 0.0 and summary["devices"] == ["0", "0"]
+    assert summary["sync"] == "host"
+    assert "notice: the exchange is ordered by the host (--sync host): both workers share " \
+           "one GPU" in out.stdout
 
 
 def test_forced_fallback_through_host_gives_the_same_weights(tmp_path):
     staged, out = run_json(tmp_path, "staged", *PAIR, "--epochs", 2, "--check", "--staged")
-    direct, _ = run_json(tmp_path, "direct", *PAIR, "--epochs", 2)
-    assert staged["transport"] == "StagedCudaTransport" and staged["max_replica_diff"] == 0.0
+    direct, _ = run_json(tmp_path, "direct", *PAIR, "--epochs", 2, "--sync", "host")
+    assert staged["sync"] == "host" and staged["max_replica_diff"] == 0.0
     assert "weights through host memory (staged)" in out.stdout
+    assert "notice: the exchange is ordered by the host (--sync host): --staged" in out.stdout
     # the same numbers moved another way; XLA's GPU reductions are not bitwise
     # repeatable from run to run, so equal to float32 rounding, not to the bit
     for a, b in zip(mlp.load_checkpoint(str(tmp_path / "staged.npz"), SHAPES)[0],
@@ -99,17 +104,12 @@ def gpu_of_process():
 def test_each_worker_holds_memory_on_its_own_gpu_only_and_a_kill_stops_the_run(no_leftovers):
     proc = start_dual("0", "1", "--epochs", 100000, "--batch-size", 100)
     wait_until_training(proc)
-    workers = workers_of(proc)
     time.sleep(1)
     seen = gpu_of_process()
-    for rank, w in enumerate(workers):
+    for rank, w in enumerate(workers_of(proc)):
         assert seen.get(w.pid) == {rank}, seen
-    workers[1].send_signal(signal.SIGKILL)
-    code, took, err = finish(proc, timeout=10)
-    assert code == 1 and "worker 1 (device 1) failed: killed by SIGKILL" in err
+    took = kill_one_worker(proc, 1, "1")
     print(f"launcher stopped {took:.2f} s after the GPU worker was killed")
-    wait_for(lambda: not any(w.is_running() and w.status() != "zombie" for w in workers), 5,
-             "the surviving worker to exit")
 
 
 def test_gpu_index_out_of_range_is_refused():
@@ -124,3 +124,55 @@ def test_injected_failure_inside_an_exchange_on_gpus(no_leftovers):
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1].startswith(
         f"error: worker 0 (device {PAIR[0]}) failed: RuntimeError: fault injected at exchange")
+
+
+@pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs")
+def test_gpu_ordered_exchange_keeps_replicas_identical_and_follows_the_host_ordered_run(tmp_path):
+    """The same arithmetic in another order of launches: the tolerance is
+    float32 reordering (XLA fuses the average into the next step), nothing more."""
+    gpu, out = run_json(tmp_path, "gpu", "0", "1", "--epochs", 3, "--check")
+    host, _ = run_json(tmp_path, "host", "0", "1", "--epochs", 3, "--sync", "host")
+    assert gpu["sync"] == "gpu" and "ordered by the GPUs" in out.stdout
+    assert gpu["max_replica_diff"] == 0.0
+    np.testing.assert_allclose(gpu["validation_errors"], host["validation_errors"], atol=0.003)
+    for a, b in zip(mlp.load_checkpoint(str(tmp_path / "gpu.npz"), SHAPES)[0],
+                    mlp.load_checkpoint(str(tmp_path / "host.npz"), SHAPES)[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+    print(f"exchange callbacks run: {gpu['exchange_callbacks']} in "
+          f"{gpu['epochs_run'] * gpu['steps_per_epoch']} steps")
+
+
+@pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs")
+def test_xla_exchange_on_two_gpus_keeps_replicas_identical(tmp_path):
+    xla, out = run_json(tmp_path, "xla", "0", "1", "--exchange", "xla", "--epochs", 3, "--check")
+    host, _ = run_json(tmp_path, "host", "0", "1", "--epochs", 3, "--sync", "host")
+    assert xla["max_replica_diff"] == 0.0 and "XLA all-reduce" in out.stdout
+    np.testing.assert_allclose(xla["validation_errors"], host["validation_errors"], atol=0.003)
+
+
+@pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("sync", ["gpu", "xla"])
+def test_gpu_ordered_run_killed_or_stalled_or_interrupted_stops(tmp_path, no_leftovers, sync):
+    """The survivor's GPU may wait for ever on a peer that is gone: its host must not."""
+    args = ["--exchange", "xla"] if sync == "xla" else ["--sync", "gpu"]
+    proc = start_dual("0", "1", *args, "--epochs", 100000, "--batch-size", 100, "--timeout", 3)
+    wait_until_training(proc)
+    took = kill_one_worker(proc, 1, "1")
+    print(f"{sync}: launcher stopped {took:.2f} s after a worker was killed")
+
+    proc = start_dual("0", "1", *args, "--epochs", 100000, "--batch-size", 100, "--timeout", 3)
+    wait_until_training(proc)
+    workers_of(proc)[1].send_signal(signal.SIGSTOP)
+    code, took, err = finish(proc, timeout=30)
+    assert code == 1, err
+    assert "no step finished within 3 s: another worker stalled" in err
+    print(f"{sync}: a stalled worker reported after {took:.2f} s: {err.splitlines()[-1]}")
+
+    ckpt = tmp_path / "m.npz"
+    proc = start_dual("0", "1", *args, "--epochs", 100000, "--batch-size", 100, "--save", ckpt)
+    wait_until_training(proc)
+    wait_for(ckpt.exists, 60, "a first checkpoint")
+    os.killpg(proc.pid, signal.SIGINT)
+    code, took, err = finish(proc, timeout=10)
+    assert code == 130 and f"last checkpoint kept in {ckpt}" in err and "Traceback" not in err
+    assert mlp.load_checkpoint(str(ckpt), SHAPES, mlp.TRAINING_STATE)[2]["epoch"] >= 1

@@ -1,0 +1,284 @@
+"""Where the demo stands: the same model on every system, in one run.
+
+    python bench/compare.py --dataset /usr/share/datasets/fashion-mnist   # two GPUs: ~7 min
+    python bench/compare.py --cpu                                          # a small CPU subset
+
+Samples/s and microseconds per step of the demo's model (784-500-10 tanh,
+softmax NLL, L2 1e-4, SGD, float32 at full precision, data on the device)
+at 500, 5000 and 20000 examples per GPU per step, for:
+
+* the project's own model on one GPU: ``THEANO_FLAGS=device=cuda0 python mlp.py``;
+* ``dual_mlp.py 0 1`` with each exchange: GPU-ordered (``--sync gpu``),
+  host-ordered (``--sync host``, under each ``--avg`` at 5000), ``--exchange
+  xla``; and ``0 0`` (both workers on one GPU) at 5000;
+* PyTorch eager on one GPU and DistributedDataParallel on two;
+* JAX's own data parallelism: one ``jit`` over a mesh of both GPUs.
+
+The demo's runs report their own throughput (``--json``); the references
+are timed by ``bench/references.py``.  So that a large batch still gives
+many steps between the per-epoch validations, the training set is tiled
+(``--repeat`` times its 50,000 images; validation and test stay as they are).
+Every run is warmed up and timed over at least ``--steps`` steps.  A run
+that fails stops the benchmark with its error: no figures from a failed run.
+
+Writes ``compare.json`` (command, date, machine, versions, every figure) and
+``compare.png`` into ``--out``, and, with ``--tables``, regenerates the
+tables of README.md and bench/README.md from that JSON (``--tables-from
+JSON`` does only that, from a results file).
+"""
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+from common import RESULTS, ROOT, record
+
+sys.path.insert(0, ROOT)
+import datasets  # noqa: E402
+
+BATCHES = (500, 5000, 20000)
+TABLE_BEGIN, TABLE_END = "<!-- compare.py: begin -->", "<!-- compare.py: end -->"
+
+
+def tile(dataset, folder, repeat):
+    """A data set whose training part is ``dataset``'s, ``repeat`` times over:
+    unpacked IDX files (quick to write and read), or, where the validation
+    split is not IDX's last 10,000 images (the shipped digits), a pickle."""
+    (tx, ty), valid, test = datasets.read(dataset)
+    if len(valid[0]) != datasets.N_VALID:
+        path = os.path.join(folder, "tiled.pkl.gz")
+        datasets.write_pickle(((np.concatenate([tx] * repeat), np.concatenate([ty] * repeat)),
+                               valid, test), path)
+        return path, len(tx) * repeat
+    as_bytes = lambda x: np.rint(x * 255).astype(np.uint8).reshape(-1, 28, 28)  # noqa: E731
+    images = np.concatenate([as_bytes(tx)] * repeat + [as_bytes(valid[0])])
+    labels = np.concatenate([ty] * repeat + [valid[1]])
+    names = [f[:-3] for f in datasets.IDX_FILES]
+    for name, array in zip(names, (images, labels, as_bytes(test[0]), test[1])):
+        datasets.write_idx(os.path.join(folder, name), array)
+    return folder, len(tx) * repeat
+
+
+def run(cmd, env=None):
+    """Run a command to completion; its failure stops the benchmark."""
+    print("$", shlex.join(cmd), flush=True)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, **(env or {})))
+    if out.returncode != 0:
+        sys.exit(f"compare.py: error: {shlex.join(cmd)} failed (exit {out.returncode}):\n"
+                 f"{out.stderr[-3000:]}")
+    return out
+
+
+def epochs_for(steps, steps_per_epoch):
+    return max(1, math.ceil(steps / steps_per_epoch))
+
+
+def demo(name, args, batch, workers, n_train, steps, data, tmp, env=None):
+    """One dual_mlp.py or mlp.py run; its own --json summary has the figures."""
+    path = os.path.join(tmp, "run.json")
+    script = "mlp.py" if workers == 1 else "dual_mlp.py"
+    epochs = epochs_for(steps, n_train // batch // workers)
+    run([sys.executable, script, *args, "--dataset", data, "--batch-size", str(batch),
+         "--epochs", str(epochs), "--json", path], env)
+    with open(path) as f:
+        s = json.load(f)
+    us = s["step_us"]["step"] if isinstance(s["step_us"], dict) else s["step_us"]
+    figure = dict(system=name, batch=batch, gpus=workers, samples_per_s=s["samples_per_s"],
+                  step_us=us, steps=s.get("steps") or s["epochs_run"] * s["steps_per_epoch"],
+                  validation_error=s["validation_errors"][-1])
+    if "exchange_callbacks" in s:  # how often XLA ran the exchange's Python callback
+        figure["exchange_callbacks"] = s["exchange_callbacks"]
+    print(f"  {name:28s} B={batch:6d}: {figure['samples_per_s'] / 1e6:8.2f} M samples/s "
+          f"{us:8.0f} us/step", flush=True)
+    return figure
+
+
+def reference(system, label, batches, steps, data):
+    out = run([sys.executable, "bench/references.py", system, "--dataset", data, "--batches",
+               *map(str, batches), "--steps", str(steps)])
+    rates = json.loads(out.stdout.strip().splitlines()[-1])
+    figures = []
+    for batch in batches:
+        r = rates[str(batch)]
+        figures.append(dict(system=label, batch=batch, gpus=r["gpus"], steps=steps,
+                            samples_per_s=r["samples_per_s"], step_us=r["step_us"]))
+        print(f"  {label:28s} B={batch:6d}: {r['samples_per_s'] / 1e6:8.2f} M samples/s "
+              f"{r['step_us']:8.0f} us/step", flush=True)
+    return figures
+
+
+def gpu_runs(args, data, n_train, tmp, figures):
+    """Every system at every batch size, on GPUs 0 and 1."""
+    for batch in args.batches:
+        runs = [("one GPU (mlp.py)", [], 1, {"THEANO_FLAGS": "device=cuda0"}),
+                ("demo 0 1 --sync gpu", ["0", "1", "--sync", "gpu"], 2, None),
+                ("demo 0 1 --exchange xla", ["0", "1", "--exchange", "xla"], 2, None),
+                ("demo 0 1 --sync host", ["0", "1", "--sync", "host"], 2, None)]
+        if batch == 5000:  # the 2014 demo's batch: every way of averaging, and one GPU shared
+            runs += [(f"demo 0 1 --sync host --avg {avg}", ["0", "1", "--sync", "host", "--avg",
+                                                            avg], 2, None)
+                     for avg in ("pycuda", "cpu")]
+            runs += [("demo 0 0 (one GPU, two workers)", ["0", "0"], 2, None)]
+        for name, cmd, workers, env in runs:
+            figures.add(demo(name, cmd, batch, workers, n_train, args.steps, data, tmp, env))
+    for system, label in (("torch", "PyTorch eager, one GPU"), ("ddp", "PyTorch DDP, two GPUs"),
+                          ("jax", "JAX jit over a 2-GPU mesh")):
+        for figure in reference(system, label, args.batches, args.steps, data):
+            figures.add(figure)
+
+
+def cpu_runs(args, data, n_train, tmp, figures):
+    """CI's subset: the demo on two CPU workers against the tutorial's one process."""
+    figures.add(demo("one CPU process (mlp.py)", [], 500, 1, n_train, args.steps, data, tmp))
+    figures.add(demo("demo cpu cpu", ["cpu", "cpu"], 500, 2, n_train, args.steps, data, tmp))
+
+
+class Figures(list):
+    """The figures so far, written out after each one: a run cut short (by a
+    time limit) keeps what it measured, marked ``complete: false``."""
+
+    def __init__(self, name, out, **meta):
+        super().__init__()
+        self.name, self.out, self.meta = name, out, meta
+
+    def add(self, figure):
+        self.append(figure)
+        return self.write(complete=False)
+
+    def write(self, complete):
+        return record(self.name, self.out, complete=complete, **self.meta, figures=list(self),
+                      ratios=ratios(self))
+
+
+def ratios(figures):
+    """The comparisons the issues ask about, per batch size."""
+    by = {(f["system"], f["batch"]): f["samples_per_s"] for f in figures}
+    out = {}
+    for batch in sorted({f["batch"] for f in figures}):
+        one, jax = by.get(("one GPU (mlp.py)", batch)), by.get(("JAX jit over a 2-GPU mesh", batch))
+        for system in ("demo 0 1 --sync gpu", "demo 0 1 --exchange xla"):
+            mine = by.get((system, batch))
+            if mine and one and jax:
+                out[f"{system} @ {batch}"] = dict(over_one_gpu=mine / one, over_jax_mesh=mine / jax)
+    return out
+
+
+def plot(figures, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    systems = list(dict.fromkeys(f["system"] for f in figures))
+    batches = sorted({f["batch"] for f in figures})
+    by = {(f["system"], f["batch"]): f["samples_per_s"] / 1e6 for f in figures}
+    fig, ax = plt.subplots(figsize=(11, 5))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        xs = [j + i * width for j, b in enumerate(batches) if (system, b) in by]
+        ys = [by[(system, b)] for b in batches if (system, b) in by]
+        ax.bar(xs, ys, width, label=system)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))])
+    ax.set_xticklabels([f"{b} per GPU" for b in batches])
+    ax.set_ylabel("million samples / s")
+    ax.set_title("784-500-10 MLP, float32, one SGD step per minibatch")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def table(document):
+    """The Markdown table of a compare.json."""
+    figures = document["figures"]
+    batches = sorted({f["batch"] for f in figures})
+    by = {(f["system"], f["batch"]): f for f in figures}
+    lines = [f"Measured by `{document['command']}` on {document['date'][:10]} "
+             f"({document['device']}); samples/s (us per step).", "",
+             "| system | devices | " + " | ".join(f"batch {b} per GPU" for b in batches) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in batches) + " |"]
+    for system in dict.fromkeys(f["system"] for f in figures):
+        cells = [f"{by[(system, b)]['samples_per_s'] / 1e6:.2f} M ({by[(system, b)]['step_us']:.0f})"
+                 if (system, b) in by else "" for b in batches]
+        gpus = next(f["gpus"] for f in figures if f["system"] == system)
+        lines.append(f"| {system} | {gpus} | " + " | ".join(cells) + " |")
+    for name, r in document.get("ratios", {}).items():
+        lines.append(f"\n{name}: {r['over_one_gpu']:.2f}x one GPU, {r['over_jax_mesh']:.2f}x "
+                     "JAX's own data parallelism")
+    return "\n".join(lines)
+
+
+def write_tables(results_json):
+    with open(results_json) as f:
+        text = table(json.load(f))
+    for doc in (os.path.join(ROOT, "README.md"), os.path.join(ROOT, "bench", "README.md")):
+        with open(doc) as f:
+            content = f.read()
+        if TABLE_BEGIN not in content:
+            continue
+        content = re.sub(re.escape(TABLE_BEGIN) + ".*?" + re.escape(TABLE_END),
+                         lambda m: f"{TABLE_BEGIN}\n{text}\n{TABLE_END}", content, flags=re.S)
+        with open(doc, "w") as f:
+            f.write(content)
+        print(f"updated the table in {os.path.relpath(doc, ROOT)}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", default=datasets.SHIPPED,
+                        help="a data set to tile (default: the shipped digits)")
+    parser.add_argument("--cpu", action="store_true", help="the small CPU subset (CI)")
+    parser.add_argument("--batches", type=int, nargs="+", default=BATCHES, help="per GPU")
+    parser.add_argument("--steps", type=int, default=200, help="timed steps, at least")
+    parser.add_argument("--repeat", type=int, default=8, help="tiling of the training set")
+    parser.add_argument("--out", default=RESULTS, help="folder for compare.json and .png")
+    parser.add_argument("--tables", action="store_true",
+                        help="then regenerate the README tables from the JSON written")
+    parser.add_argument("--tables-from", metavar="JSON",
+                        help="only regenerate the README tables from this compare.json")
+    args = parser.parse_args()
+    if args.tables_from:
+        return write_tables(args.tables_from)
+    if args.cpu:
+        args.repeat, args.steps = 1, min(args.steps, 12)
+    versions = {}
+    for module in ("numpy", "pytensor", "jax", "torch", "zmq", "pycuda"):
+        try:
+            versions[module] = __import__(module).__version__
+        except (ImportError, AttributeError):
+            pass
+    name = "compare_cpu" if args.cpu else "compare"
+    figures = Figures(name, args.out, device=device_name(args.cpu), dataset=args.dataset,
+                      repeat=args.repeat, min_steps=args.steps, versions=versions)
+    with tempfile.TemporaryDirectory() as tmp:
+        os.makedirs(os.path.join(tmp, "data"))
+        try:
+            data, n_train = tile(args.dataset, os.path.join(tmp, "data"), args.repeat)
+        except datasets.DatasetError as e:
+            sys.exit(f"compare.py: error: {e}")
+        (cpu_runs if args.cpu else gpu_runs)(args, data, n_train, tmp, figures)
+    path = figures.write(complete=True)
+    plot(figures, os.path.join(args.out, f"{name}.png"))
+    with open(path) as f:
+        print(table(json.load(f)))
+    if args.tables:
+        write_tables(path)
+
+
+def device_name(cpu):
+    if cpu:
+        import platform
+        return platform.processor() or platform.machine()
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                         capture_output=True, text=True)
+    names = out.stdout.split("\n")[:2] if out.returncode == 0 else ["?"]
+    return " + ".join(n.strip() for n in names if n.strip())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""What the three scripts share at the command line: argument checks that
+fail in one line, quiet signals and pipes, a heartbeat for long compiles.
+
+Imported first by ``dual_mlp.py``, ``mlp.py`` and ``logistic_sgd.py``: from
+then on Ctrl-C or SIGTERM during start-up (importing PyTensor, JAX, Numba
+takes seconds) ends the script quietly instead of with a traceback, and a
+closed stdout pipe (``python mlp.py | head -3``) ends it as ``head`` expects.
+A script replaces the start-up signal handler once it can stop cleanly.
+"""
+import argparse
+import contextlib
+import math
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+
+def _quit_during_start_up(signum, frame):
+    if "--worker" not in sys.argv:  # the launcher speaks for its workers
+        os.write(2, b"interrupted\n")
+    os._exit(128 + signum)
+
+
+signal.signal(signal.SIGINT, _quit_during_start_up)
+signal.signal(signal.SIGTERM, _quit_during_start_up)
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a closed pipe ends us, as it ends cat
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with errors on one line and no usage block."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _number(kind, test, wanted):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text}") from None
+        if not (math.isfinite(value) and test(value)):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+positive_int = _number(int, lambda v: v > 0, "a positive integer")
+positive = _number(float, lambda v: v > 0, "a positive, finite number")
+non_negative = _number(float, lambda v: v >= 0, "a finite number >= 0")
+
+
+def tutorial_parser(description, epochs, batch_size, learning_rate):
+    """The options the tutorial's two scripts share, with their defaults."""
+    parser = Parser(description=description)
+    parser.add_argument("--dataset", help="mnist.pkl.gz or a folder of IDX files "
+                        "(default: ./mnist.pkl.gz, else the shipped 5,000 digits)")
+    parser.add_argument("--epochs", type=positive_int, default=epochs,
+                        help="passes over the training set (default: %(default)s)")
+    parser.add_argument("--batch-size", type=positive_int, default=batch_size,
+                        help="minibatch size (default: %(default)s)")
+    parser.add_argument("--learning-rate", type=positive, default=learning_rate,
+                        help="SGD step size (default: %(default)s)")
+    return parser
+
+
+def writable(path):
+    """Check, before any work, that ``path`` can be written as a file:
+    not a folder, and its folder exists and takes a new file (tried for
+    real: permission bits say nothing to root on a read-only mount).
+    Removes temporary files that an interrupted atomic write of ``path`` left."""
+    path = os.path.abspath(path)
+    folder = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path} is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {path}: folder {folder} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write into {folder}: "
+                                         f"{e.strerror.lower()}") from None
+    for name in os.listdir(folder):
+        if name.startswith(f".{os.path.basename(path)}.") and name.endswith(".tmp"):
+            os.unlink(os.path.join(folder, name))
+    return path
+
+
+def install_stop_handler(handler):
+    """From now on SIGINT and SIGTERM call ``handler`` (start-up is over)."""
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+@contextlib.contextmanager
+def heartbeat(what, say=print, every=10.0):
+    """Say ``what`` now, and how long it has been taking every ``every``
+    seconds until the block ends: a first compile can take a minute, and
+    silence that long looks like a hang."""
+    say(f"... {what}")
+    start, done = time.perf_counter(), threading.Event()
+
+    def beat():
+        while not done.wait(every):
+            say(f"... still {what.split(' (')[0]}: {time.perf_counter() - start:.0f} s")
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def backend_name(mode=None):
+    """Which PyTensor backend a mode compiles with, in words."""
+    import pytensor
+    linker = type(pytensor.compile.mode.get_mode(mode).linker).__name__
+    return {"NumbaLinker": "Numba", "JAXLinker": "JAX", "CLinker": "C", "VMLinker": "C",
+            "PerformLinker": "Python"}.get(linker, linker)

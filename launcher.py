@@ -1,0 +1,287 @@
+"""The launcher's side of dual_mlp.py: check a request, then start, watch
+and stop the workers.
+
+Everything a request could get wrong is checked here, before any process
+starts, and refused in one line (``UsageError``; the caller exits 2).  Then
+``launch`` starts one worker process per local device, each seeing its own
+GPU only, passes their error output through, and if one fails stops the
+others at once (SIGTERM, then SIGKILL after two seconds) and names the
+worker and the line of its output that says what went wrong.
+"""
+import collections
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytensor
+
+import cli
+import datasets
+import mlp
+import theano_flags
+from exchange import request_stop, stopping
+
+
+class UsageError(Exception):
+    """A request that cannot run; the launcher prints it on one line, exit 2."""
+
+
+def usable_gpus():
+    """(number of GPUs the GPU path can use, why none); starts no CUDA context."""
+    if importlib.util.find_spec("jax") is None:
+        return 0, "JAX is not installed"
+    try:
+        import pycuda.driver as drv
+        drv.init()
+        return drv.Device.count(), "no GPU found"
+    except ImportError:
+        return 0, "PyCUDA is not installed"
+    except Exception as e:  # pycuda.driver.Error: no driver, no device
+        return 0, f"CUDA does not start ({e})"
+
+
+def choose_devices(requested):
+    if len(requested) == 1:
+        raise UsageError("give at least two devices (e.g. '0 1' or 'cpu cpu')")
+    for dev in requested:
+        if dev != "cpu" and not dev.isdigit():
+            raise UsageError(f"unknown device '{dev}': a device is a GPU index or 'cpu'")
+    if len({dev == "cpu" for dev in requested}) > 1:
+        raise UsageError("all workers run on GPUs or all on the CPU, not a mix")
+    if requested and requested[0] == "cpu":
+        return requested, None
+    count, why = usable_gpus()
+    if not requested:
+        if count >= 2:
+            return ["0", "1"], None
+        return ["cpu", "cpu"], f"no two usable GPUs ({why if count == 0 else '1 GPU'}): " \
+                               "running both workers on the CPU"
+    if count == 0:
+        raise UsageError(f"GPU asked for, but none is usable: {why}. Install the GPU "
+                         "requirements (pip install -r requirements-gpu.txt) or pass 'cpu cpu'")
+    for dev in requested:
+        if int(dev) >= count:
+            raise UsageError(f"GPU {dev} does not exist: this machine has {count} "
+                             f"(0..{count - 1})")
+    return requested, None
+
+
+def peer_access(a, b):
+    """Can GPU a read GPU b's memory directly (NVLink or PCIe peer-to-peer)?"""
+    import pycuda.driver as drv
+    return a == b or drv.Device(a).can_access_peer(drv.Device(b))
+
+
+def free_local_address():
+    """127.0.0.1 and a port nobody listens on now, for a one-machine coordinator."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def check_exchange(args, world, gpus):
+    """Resolve --exchange, --sync and --avg; returns a notice or None."""
+    if args.exchange is None:
+        args.exchange = "p2p" if world == 2 and args.nodes == 1 else "xla"
+    if args.exchange == "p2p" and (world != 2 or args.nodes > 1):
+        raise UsageError("--exchange p2p joins two workers on one machine: use --exchange xla "
+                         f"for {world} workers" + (" on several machines" if args.nodes > 1 else ""))
+    if args.exchange == "xla":
+        if args.sync or args.avg or args.staged:
+            raise UsageError("--sync, --avg and --staged choose how --exchange p2p works; "
+                             "--exchange xla averages inside the compiled step")
+        if importlib.util.find_spec("jax") is None:
+            raise UsageError("--exchange xla needs JAX: pip install jax")
+        if gpus and len(set(args.devices)) < len(args.devices):
+            raise UsageError("--exchange xla needs a different GPU for every worker")
+        return None
+    if args.sync is None:
+        args.sync = "gpu" if gpus else "host"
+    if args.sync == "gpu" and not gpus:
+        raise UsageError("--sync gpu orders the exchange on GPU streams: on CPUs the host "
+                         "orders it (--sync host)")
+    if args.sync == "gpu" and args.avg:
+        raise UsageError("--avg chooses how the host-ordered loop averages: add --sync host")
+    args.avg = args.avg or "theano"
+    if args.sync == "gpu":
+        a, b = map(int, args.devices)
+        why = ("both workers share one GPU" if a == b else "--staged" if args.staged
+               else "the GPUs cannot reach each other's memory" if not peer_access(a, b) else None)
+        if why:
+            args.sync = "host"
+            return f"notice: the exchange is ordered by the host (--sync host): {why}"
+    return None
+
+
+def check_nodes(args):
+    if not 0 <= args.node_rank < args.nodes:
+        raise UsageError(f"--node-rank {args.node_rank} is out of range: 0..{args.nodes - 1} "
+                         f"for --nodes {args.nodes}")
+    if args.coordinator:
+        host, _, port = args.coordinator.rpartition(":")
+        if not (host and port.isdigit() and 0 < int(port) < 65536):
+            raise UsageError(f"--coordinator {args.coordinator}: expected HOST:PORT, "
+                             "e.g. 10.0.0.1:29500")
+    elif args.nodes > 1:
+        raise UsageError("--nodes > 1 needs --coordinator HOST:PORT: an address of node 0 "
+                         "that every node can reach")
+
+
+def check_resume(args):
+    shapes = mlp.parameter_shapes(datasets.N_PIXELS, args.n_hidden, datasets.N_CLASSES)
+    _, _, state = mlp.load_checkpoint(args.resume, shapes, mlp.TRAINING_STATE)
+    if state["epoch"] >= args.epochs:
+        raise UsageError(f"{args.resume} is already at epoch {state['epoch']}: "
+                         f"ask for more --epochs")
+
+
+def check_request(args, batch_size, shipped_batch_size):
+    """Resolve defaults and check every input; returns the notices to print.
+    ``batch_size`` is the default per worker, ``shipped_batch_size`` the one
+    on the shipped digits (too few for two minibatches of the default)."""
+    notices = []
+    if theano_flags.DEVICE:
+        notices.append(f"warning: THEANO_FLAGS: 'device={theano_flags.DEVICE}' is ignored: "
+                       "dual_mlp.py takes its devices as arguments (dual_mlp.py 0 1)")
+    check_nodes(args)
+    args.devices, notice = choose_devices(args.devices)
+    notices.append(notice)
+    world, gpus = args.nodes * len(args.devices), args.devices[0] != "cpu"
+    notices.append(check_exchange(args, world, gpus))
+    if gpus and pytensor.config.floatX != "float32":
+        raise UsageError("the GPU path runs in float32: drop floatX from the flags")
+    if args.exchange == "p2p" and args.sync == "host" and gpus and not args.staged:
+        a, b = map(int, args.devices)
+        if not peer_access(a, b):
+            notices.append(f"warning: GPUs {a} and {b} cannot access each other's memory: "
+                           "the weights go through host memory (slower, same numbers)")
+            args.staged = True
+    args.dataset, notice = datasets.resolve(args.dataset)
+    notices.append(notice)
+    n_train = len(datasets.read(args.dataset)[0][0])
+    if args.batch_size is None:
+        args.batch_size = shipped_batch_size if args.dataset == datasets.SHIPPED else batch_size
+        if args.dataset == datasets.SHIPPED:
+            notices.append(f"batch size {args.batch_size} per worker, so that each worker "
+                           f"gets {n_train // args.batch_size // world} minibatches per epoch")
+    if n_train < world * args.batch_size:
+        raise UsageError(f"batch size {args.batch_size} is too large: the training set has "
+                         f"{n_train} images, and each of the {world} workers needs a minibatch")
+    if args.resume:
+        check_resume(args)
+    if args.exchange == "xla" and not args.coordinator:
+        args.coordinator = free_local_address()
+    return [n for n in notices if n]
+
+
+def worker_environment(dev, n_local):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if dev == "cpu":
+        # the workers share the cores: each gets its part, or they fight over all of them
+        threads = str(max(1, (os.cpu_count() or 2) // n_local))
+        env.update(JAX_PLATFORMS="cpu", OMP_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads,
+                   MKL_NUM_THREADS=threads, NUMBA_NUM_THREADS=threads)
+    else:
+        # the worker sees its own GPU only; JAX takes memory as it needs it,
+        # not 75% up front, so that two workers can share a GPU
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpu = visible.split(",")[int(dev)] if visible else dev
+        env.update(CUDA_VISIBLE_DEVICES=gpu, JAX_PLATFORMS="cuda",
+                   XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    return env
+
+
+class Worker:
+    """A worker process seen from the launcher; its stderr is passed through
+    and its last lines kept, to say why it failed."""
+
+    # what names a failure: our own one-line errors, a Python exception, a
+    # fatal log line of JAX's runtime (glog: F1130 12:00:00.000 123 file.cc:80] ...)
+    ERROR = re.compile(r"(worker \d+: error: .*|[\w.]*(Error|Exception)\b.*|F\d{4} \S+ +\d+ \S+\] .*)")
+
+    def __init__(self, script, index, rank, dev, rundir, n_local):
+        self.rank, self.dev = rank, dev
+        self.proc = subprocess.Popen(
+            [sys.executable, script, "--worker", str(index), rundir],
+            env=worker_environment(dev, n_local), stderr=subprocess.PIPE, text=True)
+        self.tail = collections.deque(maxlen=50)
+        self.pump = threading.Thread(target=self._pass_stderr, daemon=True)
+        self.pump.start()
+
+    def _pass_stderr(self):
+        for line in self.proc.stderr:
+            sys.stderr.write(line)
+            self.tail.append(line.rstrip())
+
+    def cause(self):
+        """The line of its error output that says what went wrong, and how it ended."""
+        self.pump.join(timeout=2)
+        code = self.proc.returncode
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        lines = [line.strip() for line in self.tail if line.strip()]
+        errors = [line for line in lines if self.ERROR.fullmatch(line)]
+        last = (errors or lines or [None])[-1]
+        return f"{last} ({how})" if last else how
+
+
+def stop(workers, grace=2.0):
+    """SIGTERM every worker still running, SIGKILL what is left after ``grace``."""
+    for w in workers:
+        if w.proc.poll() is None:
+            w.proc.terminate()
+    deadline = time.monotonic() + grace
+    for w in workers:
+        try:
+            w.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait()
+
+
+def launch(args, script):
+    """Start the workers (``script --worker INDEX RUNDIR``) and wait; if one
+    fails, stop the others at once.  Returns the exit code."""
+    # a private directory for the sockets and buffers: no fixed port, no clash
+    # between two runs, nothing reachable from the network
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    rundir = tempfile.mkdtemp(prefix="dual_mlp-", dir=shm)
+    cli.install_stop_handler(request_stop)
+    workers, n_local = [], len(args.devices)
+    try:
+        with open(os.path.join(rundir, "config.json"), "w") as f:
+            json.dump(vars(args), f)
+        workers = [Worker(script, i, args.node_rank * n_local + i, dev, rundir, n_local)
+                   for i, dev in enumerate(args.devices)]
+        while not stopping.is_set():
+            codes = [w.proc.poll() for w in workers]
+            if all(code == 0 for code in codes):
+                return 0
+            failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
+            if failed:
+                stop(workers)
+                if any(w.proc.returncode == -signal.SIGPIPE for w in failed):
+                    return 128 + signal.SIGPIPE  # stdout was closed: end as quietly
+                if all(w.proc.returncode in (130, 143) for w in failed):
+                    stopping.signum = failed[0].proc.returncode - 128  # Ctrl-C reached them first
+                    break
+                w = failed[0]
+                print(f"error: worker {w.rank} (device {w.dev}) failed: {w.cause()}",
+                      file=sys.stderr)
+                return 1
+            time.sleep(0.05)
+        stop(workers)
+        kept = f"; last checkpoint kept in {args.save}" if args.save and \
+            os.path.exists(args.save) else ""
+        print(f"interrupted ({signal.Signals(stopping.signum).name}){kept}", file=sys.stderr)
+        return 128 + stopping.signum
+    finally:
+        shutil.rmtree(rundir, ignore_errors=True)

@@ -1,0 +1,176 @@
+"""The 2014 exchange, ordered by the GPUs instead of the host (``--sync gpu``).
+
+In 2014 the host ordered every step: it waited for its GPU, published,
+passed a zmq barrier, copied, passed another, averaged.  Each wait stopped
+the host from queueing the next step while the GPU ran this one, and on a
+modern GPU that lost overlap costs more than the step itself.  Here the same
+buffers and the same copies are enqueued on the GPU's own stream, from inside
+the compiled training step, and the two GPUs order them between themselves:
+within a step the host waits for nothing.
+
+Each worker allocates with PyCUDA, once, and shares by CUDA IPC, once:
+
+* ``send``: two slots of the flat weights, used by step parity, so that a
+  worker can publish step t+1 while its peer still copies step t;
+* ``flags``: three int32 counters, ``[steps begun here, last step the peer
+  published, last step the peer copied]``.  The peer writes the last two,
+  over NVLink, into this GPU's memory.
+
+After the training step of step t, five tiny kernels run on XLA's stream::
+
+    begin        t = ++flags[0]; wait until the peer has copied step t-2
+                 (it read send[t % 2] then; we are about to overwrite it)
+    copy  (x4)   my new weights -> send[t % 2]                 (publish)
+    signal_wait  fence; peer.flags[1] = t; wait until flags[1] >= t
+    copy  (x4)   peer.send[t % 2] -> this step's output         (copy)
+    copied       fence; peer.flags[2] = t
+
+and the average, (mine + peer's) / 2, is the first thing the next step
+computes (``dual_mlp.py`` folds it into the compiled step).
+
+The kernels' arguments never change (the step number lives in GPU memory), so
+XLA may capture the launches into a CUDA graph once and replay them
+(``command_buffer_compatible``): then the Python callback below runs at
+capture only, not every step.  ``callbacks`` counts how often it ran.
+
+The driver calls go through ``cuda.bindings`` (NVIDIA's maintained Python
+binding of the CUDA driver API): PyCUDA launches only on its own stream
+objects, while XLA hands the callback a raw stream handle.  PyCUDA compiles
+the kernels, allocates the buffers and opens the IPC handles.
+"""
+import ctypes
+import functools
+
+import numpy as np
+
+KERNELS = r"""
+extern "C" {
+__device__ int read(const int *p) { return *(volatile const int *)p; }
+
+__global__ void begin(int *flags) {
+    int t = flags[0] + 1;
+    flags[0] = t;
+    while (read(flags + 2) < t - 2) __nanosleep(64);
+}
+
+// dst[i] = src[i] for i < n, with src and dst moved by the step's parity times
+// their slot strides: one kernel serves the publish and the copy.
+__global__ void copy(const int *flags, const float *src, long long src_slot,
+                     float *dst, long long dst_slot, long long n) {
+    long long parity = flags[0] & 1;
+    src += parity * src_slot;
+    dst += parity * dst_slot;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x)
+        dst[i] = src[i];
+}
+
+__global__ void signal_wait(int *flags, int *peer_flags) {
+    int t = flags[0];
+    __threadfence_system();  // our published weights before the signal
+    *(volatile int *)(peer_flags + 1) = t;
+    while (read(flags + 1) < t) __nanosleep(64);
+}
+
+__global__ void copied(const int *flags, int *peer_flags) {
+    __threadfence_system();  // our reads of the peer's slot before the signal
+    *(volatile int *)(peer_flags + 2) = flags[0];
+}
+}
+"""
+COPY_GRID, COPY_BLOCK = 264, 256  # two blocks per multiprocessor of an H200
+
+
+class StreamExchange:
+    """One worker's side of the GPU-ordered exchange (see the module's text).
+
+    ``handle()`` / ``connect(peer_handle)`` swap the IPC handles once, over
+    the zmq link; ``__call__(new_params, received)``, inside a jitted
+    function, returns the peer's new parameters of the same step, written
+    over ``received`` (the previous step's), so that with the step's inputs
+    donated their buffers, and the captured launches, stay the same."""
+
+    def __init__(self, device, layout):
+        import pycuda.driver as drv
+        from cuda.bindings import driver as cu
+        from pycuda.compiler import compile as compile_cuda
+
+        from exchange import nvcc
+
+        self.cu, self.drv, self.layout = cu, drv, layout
+        self.send = drv.mem_alloc(2 * layout.nbytes)
+        self.flags = drv.mem_alloc(4 * 4)
+        drv.memset_d32(self.flags, 0, 4)
+        major, minor = drv.Device(0).compute_capability()
+        cubin = compile_cuda(KERNELS, nvcc=nvcc(), arch=f"sm_{major}{minor}")
+        self._image = np.frombuffer(cubin, np.uint8)  # must outlive the module
+        self._module = self._check(cu.cuModuleLoadData(self._image.ctypes.data))
+        self._kernel = {name: self._check(cu.cuModuleGetFunction(self._module, name.encode()))
+                        for name in ("begin", "copy", "signal_wait", "copied")}
+        self.peer_send = self.peer_flags = None
+        self.callbacks = 0
+
+    def _check(self, result):
+        error, *value = result
+        if error != self.cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver: {self.cu.cuGetErrorName(error)[1].decode()}")
+        return value[0] if value else None
+
+    def handle(self):
+        return self.drv.mem_get_ipc_handle(self.send), self.drv.mem_get_ipc_handle(self.flags)
+
+    def connect(self, handle):
+        self.peer_send, self.peer_flags = (self.drv.IPCMemoryHandle(h) for h in handle)
+
+    def __call__(self, new_params, received):
+        from jax.experimental.buffer_callback import buffer_callback
+        n = len(new_params)
+        shapes = [self._shape_dtype(p) for p in received]
+        return buffer_callback(self._enqueue, shapes, has_side_effect=True,
+                               input_output_aliases={n + i: i for i in range(n)},
+                               command_buffer_compatible=True)(*new_params, *received)
+
+    @staticmethod
+    def _shape_dtype(value):
+        import jax
+        return jax.ShapeDtypeStruct(value.shape, value.dtype)
+
+    def _launch(self, stream, name, *args):
+        """Enqueue kernel ``name`` on XLA's stream; ``args`` are pointers (int)
+        and element counts (``np.int64``)."""
+        grid, block = (COPY_GRID, COPY_BLOCK) if name == "copy" else (1, 1)
+        types = [ctypes.c_longlong if isinstance(a, np.int64) else ctypes.c_void_p for a in args]
+        self._check(self.cu.cuLaunchKernel(self._kernel[name], grid, 1, 1, block, 1, 1, 0,
+                                           self.cu.CUstream(stream), (args, tuple(types)), 0))
+
+    def _enqueue(self, ctx, received, *inputs):
+        """XLA's callback: enqueue the exchange of one step on ``ctx.stream``.
+        Runs once per step, or only when XLA captures it anew (new buffers)."""
+        new_params = inputs[:len(received)]
+        self.callbacks += 1
+        flags, peer_flags = int(self.flags), int(self.peer_flags)
+        send, peer_send = int(self.send), int(self.peer_send)
+        slot, itemsize = np.int64(self.layout.size), self.layout.dtype.itemsize
+        parts = list(zip(self.layout.offsets, map(np.int64, self.layout.sizes)))
+        launch = functools.partial(self._launch, ctx.stream)
+
+        launch("begin", flags)
+        for value, (offset, n) in zip(new_params, parts):       # publish into send[t % 2]
+            launch("copy", flags, address(value), np.int64(0), send + offset * itemsize, slot, n)
+        launch("signal_wait", flags, peer_flags)
+        for out, (offset, n) in zip(received, parts):           # copy the peer's send[t % 2]
+            launch("copy", flags, peer_send + offset * itemsize, slot, address(out), np.int64(0), n)
+        launch("copied", flags, peer_flags)
+
+    def close(self):
+        for handle in (self.peer_send, self.peer_flags):
+            if handle is not None:
+                handle.close()
+        self.send.free()
+        self.flags.free()
+        self._check(self.cu.cuModuleUnload(self._module))
+
+
+def address(buffer):
+    """The device address of a buffer XLA hands a callback."""
+    return buffer.__cuda_array_interface__["data"][0]

@@ -1,0 +1,205 @@
+"""As a new user meets the scripts: bad paths, bad flags, bad numbers,
+signals at any moment, closed pipes, full disks.  Nothing ends in a
+traceback, nothing of a finished run is lost."""
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import cli
+import mlp
+from conftest import ROOT, dual, script, start_dual, wait_for
+from test_faults import finish, wait_until_training
+
+SHAPES = mlp.parameter_shapes(784, 500, 10)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path, options):
+    """A real tmpfs at ``path`` (root only): read-only, or tiny to fill it."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs",
+                                            str(path)], capture_output=True).returncode:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        subprocess.run(["umount", "-l", str(path)])
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A folder no file can be created in: a read-only mount where we are
+    root (permission bits do not stop root), else a folder without write bits."""
+    folder = tmp_path / "ro"
+    with mounted_tmpfs(folder, "ro,size=1m") as mounted:
+        if not mounted:
+            folder.chmod(0o555)
+        yield folder
+
+
+def one_line_error(out, *words):
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    for w in words:
+        assert w in lines[0], out.stderr
+
+
+def test_output_paths_are_checked_before_any_training(tmp_path, read_only, no_leftovers):
+    for option in ("--json", "--save"):
+        one_line_error(dual("cpu", "cpu", option, tmp_path), f"argument {option}:", "is a folder")
+        one_line_error(dual("cpu", "cpu", option, read_only / "x"),
+                       f"cannot write into {read_only}")
+        one_line_error(dual("cpu", "cpu", option, tmp_path / "none" / "x"), "does not exist")
+    one_line_error(script("mlp.py", "--epochs", 1, "--save", "/nonexistent/dir/m.npz"),
+                   "argument --save:", "folder /nonexistent/dir does not exist")
+    one_line_error(script("mlp.py", "--json", read_only / "m.json"), "cannot write into")
+
+
+def fill(folder):
+    """Write into ``folder`` until its file system is full."""
+    with contextlib.suppress(OSError), open(folder / "filler", "wb") as f:
+        while True:
+            f.write(b"x" * 4096)
+            f.flush()
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_prints_the_summary(tmp_path):
+    """The checks before training pass (an empty file fits); the writes later do not."""
+    disk = tmp_path / "small"
+    with mounted_tmpfs(disk, "size=96k") as mounted:
+        if not mounted:
+            pytest.skip("needs root, to mount a small tmpfs")
+        # --n-hidden 10: a 64 kB checkpoint; a second one does not fit beside the first
+        out = dual("cpu", "cpu", "--n-hidden", 10, "--epochs", 3, "--save", disk / "m.npz")
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.count("could not write") == 2
+        assert "(No space left on device): the previous one is kept" in out.stderr
+        _, _, state = mlp.load_checkpoint(str(disk / "m.npz"), mlp.parameter_shapes(784, 10, 10),
+                                          mlp.TRAINING_STATE)
+        assert state["epoch"] == 1  # the first, intact
+        fill(disk)
+        out = dual("cpu", "cpu", "--epochs", 1, "--json", disk / "run.json")
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert "could not write" in out.stderr and "the summary follows on stdout" in out.stderr
+        assert '"validation_errors"' in out.stdout  # the result, not lost
+        assert not [p for p in disk.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_resume_refuses_a_file_of_another_script_naming_what_is_missing(tmp_path):
+    out = script("mlp.py", "--epochs", 1, "--save", tmp_path / "final.npz")
+    assert out.returncode == 0, out.stderr
+    one_line_error(dual("cpu", "cpu", "--resume", tmp_path / "final.npz"),
+                   "not a dual_mlp.py checkpoint", "validation_errors", "mlp.py --save")
+    params = [np.zeros(s, np.float32) for s in SHAPES]
+    mlp.save_checkpoint(str(tmp_path / "odd.npz"), params, params[:3], epoch=1,
+                        best_validation_error=0.1, test_error=0.1, validation_errors=[0.1])
+    one_line_error(dual("cpu", "cpu", "--resume", tmp_path / "odd.npz"), "no best_3")
+    mlp.save_checkpoint(str(tmp_path / "wide.npz"), params, params, epoch=1,
+                        best_validation_error=0.1, test_error=0.1, validation_errors=[0.1])
+    one_line_error(dual("cpu", "cpu", "--n-hidden", 20, "--resume", tmp_path / "wide.npz"),
+                   "params_0 has shape (784, 500), the model (784, 20)")
+
+
+@pytest.mark.parametrize("name", ["dual_mlp.py", "mlp.py", "logistic_sgd.py"])
+def test_bad_flags_are_refused_in_one_line_naming_the_flag(name):
+    for flags, words in [("foo", "'foo' is not of the form name=value"),
+                         ("mode=FOO", "mode=FOO"), ("floatX=float16", "floatX=float16"),
+                         ("floatX=int8", "floatX=int8"), ("optimizer=bogus", "optimizer=bogus"),
+                         ("device=tpu0", "device=tpu0")]:
+        one_line_error(script(name, env={"THEANO_FLAGS": flags}, timeout=60), words)
+    one_line_error(script(name, env={"PYTENSOR_FLAGS": "linker=xyz"}, timeout=60), "linker=xyz")
+
+
+@pytest.mark.parametrize("name,option,value,words", [
+    ("mlp.py", "--epochs", "-1", "must be a positive integer"),
+    ("mlp.py", "--batch-size", "0", "must be a positive integer"),
+    ("mlp.py", "--n-hidden", "-3", "must be a positive integer"),
+    ("mlp.py", "--learning-rate", "inf", "must be a positive, finite number"),
+    ("mlp.py", "--l2", "nan", "must be a finite number >= 0"),
+    ("logistic_sgd.py", "--epochs", "-1", "must be a positive integer"),
+    ("logistic_sgd.py", "--batch-size", "0", "must be a positive integer"),
+    ("logistic_sgd.py", "--learning-rate", "nan", "must be a positive, finite number"),
+    ("dual_mlp.py", "--l2", "nan", "must be a finite number >= 0"),
+    ("dual_mlp.py", "--learning-rate", "inf", "must be a positive, finite number"),
+    ("dual_mlp.py", "--timeout", "-5", "must be a positive, finite number"),
+])
+def test_bad_numbers_are_refused_in_one_line(name, option, value, words):
+    one_line_error(script(name, option, value, timeout=60), f"argument {option}: {words}")
+
+
+def test_a_batch_larger_than_the_data_is_refused_by_the_tutorial_scripts():
+    one_line_error(script("mlp.py", "--batch-size", 5000), "larger than the training set")
+    one_line_error(script("logistic_sgd.py", "--batch-size", 5000), "larger than the training set")
+
+
+def test_sigterm_to_the_launcher_stops_all_in_one_line_and_keeps_the_checkpoint(tmp_path,
+                                                                               no_leftovers):
+    ckpt = tmp_path / "m.npz"
+    proc = start_dual("cpu", "cpu", "--epochs", 1000, "--save", ckpt)
+    wait_until_training(proc)
+    wait_for(ckpt.exists, 60, "a first checkpoint")
+    proc.send_signal(signal.SIGTERM)
+    code, took, err = finish(proc, timeout=10)
+    assert code == 143 and took < 5
+    assert err.strip().splitlines() == [f"interrupted (SIGTERM); last checkpoint kept in {ckpt}"]
+    assert mlp.load_checkpoint(str(ckpt), SHAPES, mlp.TRAINING_STATE)[2]["epoch"] >= 1
+
+
+@pytest.mark.parametrize("name", ["dual_mlp.py", "mlp.py"])
+def test_a_signal_at_any_moment_of_start_up_gives_no_traceback(name, no_leftovers):
+    rng = random.Random(7)
+    for delay in [0.0, 0.05, 0.15] + [rng.uniform(0.2, 4.0) for _ in range(4)]:
+        sig = rng.choice([signal.SIGINT, signal.SIGTERM])
+        proc = subprocess.Popen([sys.executable, str(ROOT / name), "--epochs", "1000"], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        time.sleep(delay)
+        os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C reaches the whole group
+        out, err = proc.communicate(timeout=30)
+        assert "Traceback" not in err, (delay, err)
+        assert proc.returncode in (128 + sig, -sig), (delay, proc.returncode, err)
+        assert err.strip().splitlines()[-1:] in ([], ["interrupted"]) or \
+            err.strip().splitlines()[-1].startswith("interrupted ("), (delay, err)
+
+
+@pytest.mark.parametrize("name", ["dual_mlp.py", "mlp.py"])
+def test_a_closed_stdout_pipe_ends_quietly(name, no_leftovers):
+    proc = subprocess.run(f"{sys.executable} {ROOT / name} --epochs 1000 | head -3",
+                          shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert len(proc.stdout.splitlines()) == 3
+    assert proc.stderr == "", proc.stderr
+
+
+def test_a_stray_temporary_of_an_interrupted_checkpoint_write_is_removed(tmp_path):
+    (tmp_path / ".m.npz.abc123.tmp").write_bytes(b"half a checkpoint")
+    (tmp_path / ".other.npz.x.tmp").write_bytes(b"not ours")
+    out = dual("cpu", "cpu", "--epochs", 1, "--save", tmp_path / "m.npz")
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.npz.x.tmp", "m.npz"]
+
+
+def test_a_long_compile_shows_a_heartbeat():
+    said = []
+    with cli.heartbeat("compiling the model (the first run takes a minute)", said.append,
+                       every=0.05):
+        time.sleep(0.32)
+    assert said[0] == "... compiling the model (the first run takes a minute)"
+    assert len(said) >= 5 and all(s.startswith("... still compiling the model: ") for s in said[1:])
+
+
+def test_help_explains_every_option():
+    out = script("dual_mlp.py", "--help")
+    assert out.returncode == 0
+    for option in ("--exchange", "--sync", "--avg", "--nodes", "--node-rank", "--coordinator",
+                   "--timeout", "--save", "--resume", "--check"):
+        assert option in out.stdout
+    assert "--worker" not in out.stdout

@@ -1,0 +1,155 @@
+"""More than two workers, and more than one launcher, on JAX's distributed
+runtime (--exchange xla, gloo between CPU processes): real processes, real
+sockets, the shipped digits."""
+import json
+import os
+import shutil
+import signal
+import socket
+
+import numpy as np
+import pytest
+
+import mlp
+from conftest import dual, leftover_workers, run_directories, start_dual, wait_for, workers_of
+from test_faults import finish, kill_one_worker, wait_until_training
+
+SHAPES = mlp.parameter_shapes(784, 500, 10)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(tmp_path, name, *args, **kw):
+    out = dual(*args, "--json", tmp_path / f"{name}.json", "--save", tmp_path / f"{name}.npz",
+               **kw)
+    assert out.returncode == 0, out.stderr
+    return json.loads((tmp_path / f"{name}.json").read_text()), out
+
+
+def weights(tmp_path, name):
+    return mlp.load_checkpoint(str(tmp_path / f"{name}.npz"), SHAPES)[0]
+
+
+def test_three_workers_equal_two_at_the_same_total_batch(tmp_path):
+    """Worker k of 3 at batch 100 trains on rows 300t+100k..; two workers at
+    150 on rows 300t+150k..: the same 300 rows a step, so the same weights,
+    up to float reordering (JAX's CPU backend here, Numba's there)."""
+    three, out = run(tmp_path, "three", "cpu", "cpu", "cpu", "--epochs", 2, "--check")
+    two, _ = run(tmp_path, "two", "cpu", "cpu", "--batch-size", 150, "--epochs", 2)
+    assert three["workers"] == 3 and three["exchange"] == "xla" and two["exchange"] == "p2p"
+    assert three["max_replica_diff"] == 0.0
+    assert three["steps_per_epoch"] == two["steps_per_epoch"] == 10
+    np.testing.assert_allclose(three["validation_errors"], two["validation_errors"], atol=0.005)
+    for a, b in zip(weights(tmp_path, "three"), weights(tmp_path, "two")):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+    assert "weights through an XLA all-reduce" in out.stdout
+    assert out.stdout.count("epoch 1/2:") == 1  # only global rank 0 prints
+
+
+def test_xla_with_two_workers_follows_the_p2p_exchange(tmp_path):
+    xla, _ = run(tmp_path, "xla", "cpu", "cpu", "--exchange", "xla", "--epochs", 2, "--check")
+    p2p, _ = run(tmp_path, "p2p", "cpu", "cpu", "--epochs", 2)
+    assert xla["max_replica_diff"] == 0.0 and xla["exchange"] == "xla"
+    for a, b in zip(weights(tmp_path, "xla"), weights(tmp_path, "p2p")):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+
+
+def nodes(port, rank, *args):
+    return start_dual("cpu", "cpu", "--nodes", 2, "--node-rank", rank, "--coordinator",
+                      f"127.0.0.1:{port}", *args)
+
+
+def test_two_launchers_as_two_nodes_train_identical_replicas(tmp_path):
+    port, same = free_port(), ("--epochs", 2, "--check")  # every node runs the same options
+    node1 = nodes(port, 1, *same)
+    node0 = nodes(port, 0, *same, "--json", tmp_path / "run.json")
+    code, _, err = finish(node0, timeout=300)
+    assert code == 0, err
+    assert finish(node1, timeout=30)[0] == 0
+    summary = json.loads((tmp_path / "run.json").read_text())
+    assert summary["workers"] == 4 and summary["nodes"] == 2
+    assert summary["max_replica_diff"] == 0.0
+    assert summary["steps_per_epoch"] == 3000 // 100 // 4
+    assert summary["validation_errors"][-1] < 0.35  # chance: 0.9
+
+
+def test_a_killed_worker_stops_all_three_within_10_s(no_leftovers):
+    proc = start_dual("cpu", "cpu", "cpu", "--epochs", 1000)
+    wait_until_training(proc)
+    took = kill_one_worker(proc, 2, "cpu")
+    print(f"launcher stopped {took:.2f} s after the worker was killed")
+
+
+def test_a_stalled_worker_is_reported_within_the_timeout(no_leftovers):
+    """Inside a collective the host thread waits in XLA, where no check of
+    ours runs: the watchdog must see that no step finishes."""
+    proc = start_dual("cpu", "cpu", "cpu", "--epochs", 1000, "--timeout", 3)
+    wait_until_training(proc)
+    workers_of(proc)[2].send_signal(signal.SIGSTOP)
+    code, took, err = finish(proc, timeout=20)
+    assert code == 1
+    assert "no step finished within 3 s: another worker stalled" in err.splitlines()[-1]
+    print(f"a stalled worker reported {took:.2f} s after it stopped")
+
+
+def test_a_dead_node_stops_the_other_node():
+    port, before = free_port(), run_directories()
+    node0, node1 = nodes(port, 0, "--epochs", 1000), nodes(port, 1, "--epochs", 1000)
+    wait_until_training(node0)
+    os.killpg(node1.pid, signal.SIGKILL)  # that machine's launcher and workers, at once
+    node1.communicate()
+    code, took, err = finish(node0, timeout=30)
+    assert code == 1 and "failed:" in err.splitlines()[-1]
+    print(f"node 0 stopped {took:.2f} s after node 1 died: {err.splitlines()[-1]}")
+    wait_for(lambda: not leftover_workers(), 5, "every worker to exit")
+    for leftover in run_directories() - before:  # node 1's: nobody was left to remove it
+        shutil.rmtree(leftover)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_node_alone_reports_the_missing_nodes_within_the_timeout(no_leftovers, rank):
+    """Rank 1: no coordinator to reach; rank 0: the other node never comes."""
+    proc = nodes(free_port(), rank, "--timeout", 5)
+    code, took, err = finish(proc, timeout=40)
+    assert code == 1
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: worker {2 * rank}") or last.startswith(f"error: worker {2 * rank + 1}")
+    assert "did not all meet at the coordinator" in last and "within 5 s" in last
+
+
+def test_resumed_three_worker_run_equals_an_uninterrupted_one(tmp_path):
+    common = ("cpu", "cpu", "cpu")
+    run(tmp_path, "full", *common, "--epochs", 3)
+    run(tmp_path, "half", *common, "--epochs", 1)
+    _, out = run(tmp_path, "resumed", *common, "--epochs", 3, "--resume", tmp_path / "half.npz")
+    assert "resumed from" in out.stdout and "epoch 1/3:" not in out.stdout
+    full = mlp.load_checkpoint(str(tmp_path / "full.npz"), SHAPES, mlp.TRAINING_STATE)
+    resumed = mlp.load_checkpoint(str(tmp_path / "resumed.npz"), SHAPES, mlp.TRAINING_STATE)
+    for a, b in zip(full[0] + full[1], resumed[0] + resumed[1]):
+        np.testing.assert_array_equal(a, b)
+    assert full[2] == resumed[2]
+
+
+def test_bad_requests_for_many_workers_get_one_line_exit_2(tmp_path, no_leftovers):
+    cases = [
+        (["cpu"], "give at least two devices"),
+        (["cpu", "cpu", "cpu", "--exchange", "p2p"], "--exchange p2p joins two workers"),
+        (["cpu", "cpu", "--nodes", "0"], "argument --nodes: must be a positive integer"),
+        (["cpu", "cpu", "--nodes", "2", "--node-rank", "2", "--coordinator", "h:1"],
+         "--node-rank 2 is out of range: 0..1"),
+        (["cpu", "cpu", "--nodes", "2"], "--nodes > 1 needs --coordinator HOST:PORT"),
+        (["cpu", "cpu", "--nodes", "2", "--coordinator", "10.0.0.1"], "expected HOST:PORT"),
+        (["cpu", "cpu", "--coordinator", "host:99999"], "expected HOST:PORT"),
+        (["cpu", "cpu", "--sync", "gpu"], "--sync gpu orders the exchange on GPU streams"),
+        (["cpu", "cpu", "cpu", "--avg", "pycuda"], "--exchange xla averages inside"),
+        (["cpu", "cpu", "cpu", "cpu", "--batch-size", "1000"], "each of the 4 workers"),
+    ]
+    for args, words in cases:
+        out = dual(*args, timeout=60)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2, (args, out.stderr)
+        assert len(lines) == 1 and words in lines[0], (args, out.stderr)
