@@ -418,7 +418,8 @@ def xla_ordered(rank, world, model, device, xla, args):
 
 def fault_point(rank, where):
     """The fault tests' hook: DUAL_MLP_FAULT=RANK:WHERE:HOW makes worker RANK
-    fail on reaching WHERE (start, train, exchange) by HOW (raise, oom, kill)."""
+    fail on reaching WHERE (start, train, exchange) by HOW (raise, oom, kill,
+    or hint: an error whose message ends in a hint line, as PyTensor's do)."""
     spec = os.environ.get("DUAL_MLP_FAULT", "").split(":")
     if spec[:2] != [str(rank), where]:
         return
@@ -426,7 +427,8 @@ def fault_point(rank, where):
         os.kill(os.getpid(), signal.SIGKILL)
     if spec[2] == "oom":
         np.empty(1 << 60, np.uint8)  # raises MemoryError, as a real allocation failure would
-    raise RuntimeError(f"fault injected at {where}")
+    hint = "\nHINT: re-run with more detail" if spec[2] == "hint" else ""
+    raise RuntimeError(f"fault injected at {where}{hint}")
 
 
 def stop_point(rank, where):
@@ -468,13 +470,13 @@ def worker(args, rank, world, dev, rundir):
             layout = Layout([p.get_value().shape for p in model.params], pytensor.config.floatX)
             state = dict(epoch=0, best_validation_error=np.inf, test_error=np.inf,
                          validation_errors=[])
+            best_params = model.get_params()
             if args.resume:
                 current, best_params, state = mlp.load_checkpoint(args.resume, layout.shapes,
                                                                   mlp.TRAINING_STATE)
                 model.set_params(current)
             for p in model.params:
                 place(p, device.put(storage(p)))
-            best_params = best_params if args.resume else model.get_params()
             start = float(sum(p.sum(dtype=np.float64) for p in model.get_params()))
             stop_point(rank, "start")
             if xla:

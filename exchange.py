@@ -148,7 +148,10 @@ class Peer:
         return max(0.0, peer_arrived - arrived)
 
     def close(self):
-        self.socket.close(linger=0)
+        # Linger a moment: a message still in flight (the last --check
+        # exchange, 1.6 MB) is discarded by a close without it, and the peer
+        # then waits for it until its timeout.
+        self.socket.close(linger=1000)
         self.context.term()
 
 

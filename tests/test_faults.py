@@ -56,6 +56,7 @@ def kill_one_worker(proc, index, device, timeout=10):
     ("1:train:raise", "RuntimeError: fault injected at train"),
     ("1:exchange:kill", "killed by SIGKILL"),
     ("0:exchange:oom", "Unable to allocate"),
+    ("1:train:hint", "RuntimeError: fault injected at train (exit code 1)"),  # not the HINT line
 ])
 def test_a_dying_worker_stops_the_run_and_is_named(no_leftovers, fault, cause):
     out = dual("cpu", "cpu", "--epochs", 3, env={"DUAL_MLP_FAULT": fault}, timeout=120)
@@ -209,3 +210,29 @@ def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(tmp_path
     assert full_state == res_state
     out = dual("cpu", "cpu", "--epochs", 4, "--resume", tmp_path / "full.npz")
     assert out.returncode == 2 and "already at epoch 4" in out.stderr
+
+
+def test_the_last_message_before_a_close_is_delivered(tmp_path):
+    """A worker that sends its last message (the final --check exchange) and
+    closes its socket at once must not lose it: the peer would wait for it
+    until its timeout (seen once in CI, as worker 0 stalled in the replica check)."""
+    import threading
+
+    import numpy as np
+
+    from exchange import Peer, StopRequest
+    big = np.arange(16 << 20, dtype=np.float32)  # 64 MB: still in flight at the close
+    got = {}
+
+    def last_to_finish():
+        peer = Peer(str(tmp_path), 0, 30, StopRequest())
+        got["array"] = peer.exchange("small")
+        peer.close()
+
+    thread = threading.Thread(target=last_to_finish)
+    thread.start()
+    peer = Peer(str(tmp_path), 1, 30, StopRequest())
+    assert peer.exchange(big) == "small"
+    peer.close()  # at once, as a worker that has finished
+    thread.join(40)
+    assert not thread.is_alive() and np.array_equal(got["array"], big)
