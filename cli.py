@@ -7,15 +7,9 @@ takes seconds) ends the script quietly instead of with a traceback, and a
 closed stdout pipe (``python mlp.py | head -3``) ends it as ``head`` expects.
 A script replaces the start-up signal handler once it can stop cleanly.
 """
-import argparse
-import contextlib
-import math
 import os
 import signal
 import sys
-import tempfile
-import threading
-import time
 
 
 def _quit_during_start_up(signum, frame):
@@ -24,9 +18,17 @@ def _quit_during_start_up(signum, frame):
     os._exit(128 + signum)
 
 
+# before anything slower is imported: the sooner, the smaller the window
 signal.signal(signal.SIGINT, _quit_during_start_up)
 signal.signal(signal.SIGTERM, _quit_during_start_up)
 signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a closed pipe ends us, as it ends cat
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import math  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):

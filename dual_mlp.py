@@ -377,7 +377,8 @@ def gpu_ordered(rank, world, model, device, layout, peer, args):
 
     params = [storage(p) for p in model.params]
     state = (params, [p.copy() for p in params])  # received = mine: the first average is a no-op
-    indices = [device.put(np.int32(world * t + rank)) for t in range(model.n_train_batches // world)]
+    n_steps = model.n_train_batches // world
+    indices = [device.put(np.int32(world * t + rank)) for t in range(n_steps)]
     # Compiled, not run (no peer yet).  The state is donated: XLA reuses its
     # buffers for the new state, so the exchange sees the same addresses every
     # step and XLA replays its captured launches instead of capturing anew.
@@ -553,7 +554,8 @@ def summarise(args, state, trainer, steps_run, n_steps, world, train_time, wall,
     """Worker 0's closing lines, and the --json summary."""
     samples_per_s = world * steps_run * args.batch_size / train_time
     step_us = dict(trainer.step_us(steps_run), step=1e6 * train_time / steps_run)
-    say(f"Optimization complete. Best validation error {state['best_validation_error'] * 100.:.2f} %"
+    best = state["best_validation_error"]
+    say(f"Optimization complete. Best validation error {best * 100.:.2f} %"
         f", test error of that model {state['test_error'] * 100.:.2f} % (a separate sample of "
         "images: it can come out lower than validation)")
     say(f"Trained at {samples_per_s:,.0f} samples/s ({world} workers), {step_us['step']:.0f} us "
@@ -620,14 +622,15 @@ def run_worker(index, rundir):
     code = 0
     try:
         worker(args, rank, world, args.devices[index], rundir)
-    except Interrupted:
-        code = 128 + stopping.signum
-    except (PeerError, mlp.CheckpointError, datasets.DatasetError) as e:
-        print(f"worker {rank}: error: {e}", file=sys.stderr)
-        code = 1
-    except Exception:
-        traceback.print_exc()
-        code = 1
+    except Exception as e:
+        if stopping.is_set():  # asked to stop: what broke on the way out is no news
+            code = 128 + stopping.signum
+        elif isinstance(e, (PeerError, mlp.CheckpointError, datasets.DatasetError)):
+            print(f"worker {rank}: error: {e}", file=sys.stderr)
+            code = 1
+        else:
+            traceback.print_exc()
+            code = 1
     finally:
         # Told to stop, or orphaned: the launcher may be dying too, and the
         # files there are of no use to the peer any more (it has them open).

@@ -451,9 +451,9 @@ class XlaExchange:
         """``step(index, data, params)`` compiled as one SPMD program over all
         workers: ``index`` is per worker, the rest is the same on every worker."""
         P = self.P
-        return self.jax.jit(self.jax.shard_map(step, mesh=self.mesh, in_specs=(P("workers"), P(), P()),
-                                               out_specs=P(), check_vma=False),
-                            donate_argnums=2)  # the weights: updated in place
+        spmd = self.jax.shard_map(step, mesh=self.mesh, in_specs=(P("workers"), P(), P()),
+                                  out_specs=P(), check_vma=False)
+        return self.jax.jit(spmd, donate_argnums=2)  # the weights: updated in place
 
     def gather(self, host_array):
         """Every worker's ``host_array``, stacked: (n_workers, ...)."""

@@ -94,7 +94,8 @@ def check_exchange(args, world, gpus):
         args.exchange = "p2p" if world == 2 and args.nodes == 1 else "xla"
     if args.exchange == "p2p" and (world != 2 or args.nodes > 1):
         raise UsageError("--exchange p2p joins two workers on one machine: use --exchange xla "
-                         f"for {world} workers" + (" on several machines" if args.nodes > 1 else ""))
+                         f"for {world} workers"
+                         + (" on several machines" if args.nodes > 1 else ""))
     if args.exchange == "xla":
         if args.sync or args.avg or args.staged:
             raise UsageError("--sync, --avg and --staged choose how --exchange p2p works; "
@@ -206,13 +207,17 @@ class Worker:
 
     # what names a failure: our own one-line errors, a Python exception, a
     # fatal log line of JAX's runtime (glog: F1130 12:00:00.000 123 file.cc:80] ...)
-    ERROR = re.compile(r"(worker \d+: error: .*|[\w.]*(Error|Exception)\b.*|F\d{4} \S+ +\d+ \S+\] .*)")
+    ERROR = re.compile(r"(worker \d+: error: .*|[\w.]*(Error|Exception)\b.*"
+                       r"|F\d{4} \S+ +\d+ \S+\] .*)")
 
     def __init__(self, script, index, rank, dev, rundir, n_local):
         self.rank, self.dev = rank, dev
+        # A process group of its own: a terminal's Ctrl-C reaches the launcher
+        # alone, which stops every worker, whatever each is doing just then.
         self.proc = subprocess.Popen(
             [sys.executable, script, "--worker", str(index), rundir],
-            env=worker_environment(dev, n_local), stderr=subprocess.PIPE, text=True)
+            env=worker_environment(dev, n_local), stderr=subprocess.PIPE, text=True,
+            process_group=0)
         self.tail = collections.deque(maxlen=50)
         self.pump = threading.Thread(target=self._pass_stderr, daemon=True)
         self.pump.start()

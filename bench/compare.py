@@ -203,7 +203,7 @@ def table(document):
              "| system | devices | " + " | ".join(f"batch {b} per GPU" for b in batches) + " |",
              "| --- | --- | " + " | ".join("---" for _ in batches) + " |"]
     for system in dict.fromkeys(f["system"] for f in figures):
-        cells = [f"{by[(system, b)]['samples_per_s'] / 1e6:.2f} M ({by[(system, b)]['step_us']:.0f})"
+        cells = [f"{by[system, b]['samples_per_s'] / 1e6:.2f} M ({by[system, b]['step_us']:.0f})"
                  if (system, b) in by else "" for b in batches]
         gpus = next(f["gpus"] for f in figures if f["system"] == system)
         lines.append(f"| {system} | {gpus} | " + " | ".join(cells) + " |")

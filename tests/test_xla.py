@@ -117,7 +117,7 @@ def test_a_node_alone_reports_the_missing_nodes_within_the_timeout(no_leftovers,
     code, took, err = finish(proc, timeout=40)
     assert code == 1
     last = err.strip().splitlines()[-1]
-    assert last.startswith(f"error: worker {2 * rank}") or last.startswith(f"error: worker {2 * rank + 1}")
+    assert last.startswith((f"error: worker {2 * rank} ", f"error: worker {2 * rank + 1} "))
     assert "did not all meet at the coordinator" in last and "within 5 s" in last
 
 
