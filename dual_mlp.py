@@ -234,13 +234,10 @@ class HostOrdered:
             self.device.wait([storage(p) for p in model.params])
             clock.lap("average")
             if self.check:
-                self.max_diff = max(self.max_diff, replica_spread(self.weights(), self.gather))
+                self.max_diff = max(self.max_diff, replica_spread(self.weights(), peer.gather))
 
     def weights(self):
         return [self.device.to_host(storage(p)) for p in self.model.params]
-
-    def gather(self, mine):
-        return np.stack([mine, self.peer.exchange(mine, "the replica check")])
 
     def step_us(self, steps):
         us = {k: 1e6 * v / steps for k, v in self.clock.totals.items()}
@@ -370,8 +367,11 @@ def gpu_ordered(rank, world, model, device, layout, peer, args):
     train, data = jax_step(model)
     exchange = StreamExchange(device, layout)
 
+    def average(params, received):
+        return [(p + r) / 2 for p, r in zip(params, received)]
+
     def step(index, data, params, received):
-        mean = [(p + r) / 2 for p, r in zip(params, received)]  # 6. average, of step t-1
+        mean = average(params, received)                         # 6. average, of step t-1
         cost, new = train(index, data, mean)                     # 1. train
         return cost, (new, exchange(new, received))              # 2.-5. publish, signal, copy
 
@@ -383,16 +383,14 @@ def gpu_ordered(rank, world, model, device, layout, peer, args):
     # buffers for the new state, so the exchange sees the same addresses every
     # step and XLA replays its captured launches instead of capturing anew.
     program = jax.jit(step, donate_argnums=(2, 3)).lower(indices[0], data, *state).compile()
-    average = jax.jit(lambda params, received: [(p + r) / 2 for p, r in zip(params, received)])
-    average(*state)
+    weights = jax.jit(average)  # the replica's weights, for validation and --check
+    weights(*state)  # compiled now, not in the first epoch
 
     def finish():  # both GPUs are done: neither send buffer is read any more
         peer.barrier()
         exchange.close()
 
-    def gather(mine):
-        return np.stack([mine, peer.exchange(mine, "the replica check")])
-    trainer = DeviceOrdered(rank, program, indices, data, state, average, gather, args.check,
+    trainer = DeviceOrdered(rank, program, indices, data, state, weights, peer.gather, args.check,
                             args.timeout, finish,
                             report=lambda: {"exchange_callbacks": exchange.callbacks})
     return trainer, exchange

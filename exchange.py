@@ -1,6 +1,6 @@
 """How the two workers of ``dual_mlp.py`` meet and swap weights.
 
-Three pieces, each small enough to read in one go:
+The pieces, each small enough to read in one go:
 
 ``Peer``
     a zmq PAIR socket between the two workers, over ``ipc://`` in the run's
@@ -129,9 +129,13 @@ class Peer:
         return self.socket.recv(zmq.NOBLOCK)
 
     def exchange(self, obj, what="the handshake"):
-        """Send ``obj``, return the peer's (used once, for the handles)."""
+        """Send ``obj``, return the peer's (the handles, once; --check)."""
         self._send(pickle.dumps(obj), what)
         return pickle.loads(self._recv(what))
+
+    def gather(self, array):
+        """Both workers' ``array``, stacked, mine first (for --check)."""
+        return np.stack([array, self.exchange(array, "the replica check")])
 
     def barrier(self):
         """Return once both workers have called it as often as each other,

@@ -89,7 +89,7 @@ def free_local_address():
 
 
 def check_exchange(args, world, gpus):
-    """Resolve --exchange, --sync and --avg; returns a notice or None."""
+    """Resolve --exchange, --sync, --avg and --staged; returns the notices."""
     if args.exchange is None:
         args.exchange = "p2p" if world == 2 and args.nodes == 1 else "xla"
     if args.exchange == "p2p" and (world != 2 or args.nodes > 1):
@@ -104,7 +104,7 @@ def check_exchange(args, world, gpus):
             raise UsageError("--exchange xla needs JAX: pip install jax")
         if gpus and len(set(args.devices)) < len(args.devices):
             raise UsageError("--exchange xla needs a different GPU for every worker")
-        return None
+        return []
     if args.sync is None:
         args.sync = "gpu" if gpus else "host"
     if args.sync == "gpu" and not gpus:
@@ -113,14 +113,20 @@ def check_exchange(args, world, gpus):
     if args.sync == "gpu" and args.avg:
         raise UsageError("--avg chooses how the host-ordered loop averages: add --sync host")
     args.avg = args.avg or "theano"
-    if args.sync == "gpu":
-        a, b = map(int, args.devices)
-        why = ("both workers share one GPU" if a == b else "--staged" if args.staged
-               else "the GPUs cannot reach each other's memory" if not peer_access(a, b) else None)
-        if why:
-            args.sync = "host"
-            return f"notice: the exchange is ordered by the host (--sync host): {why}"
-    return None
+    if not gpus:
+        return []
+    a, b = map(int, args.devices)
+    notices, staged_asked = [], args.staged
+    if not args.staged and not peer_access(a, b):
+        args.staged = True
+        notices.append(f"warning: GPUs {a} and {b} cannot access each other's memory: the "
+                       "weights go through host memory (slower, same numbers)")
+    why = ("both workers share one GPU" if a == b else "--staged" if staged_asked
+           else "no peer access" if args.staged else None)
+    if args.sync == "gpu" and why:
+        args.sync = "host"
+        notices.append(f"notice: the exchange is ordered by the host (--sync host): {why}")
+    return notices
 
 
 def check_nodes(args):
@@ -157,15 +163,9 @@ def check_request(args, batch_size, shipped_batch_size):
     args.devices, notice = choose_devices(args.devices)
     notices.append(notice)
     world, gpus = args.nodes * len(args.devices), args.devices[0] != "cpu"
-    notices.append(check_exchange(args, world, gpus))
+    notices += check_exchange(args, world, gpus)
     if gpus and pytensor.config.floatX != "float32":
         raise UsageError("the GPU path runs in float32: drop floatX from the flags")
-    if args.exchange == "p2p" and args.sync == "host" and gpus and not args.staged:
-        a, b = map(int, args.devices)
-        if not peer_access(a, b):
-            notices.append(f"warning: GPUs {a} and {b} cannot access each other's memory: "
-                           "the weights go through host memory (slower, same numbers)")
-            args.staged = True
     args.dataset, notice = datasets.resolve(args.dataset)
     notices.append(notice)
     n_train = len(datasets.read(args.dataset)[0][0])

@@ -267,9 +267,10 @@ def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, datase
             command=shlex.join(["python", "mlp.py"] + sys.argv[1:]),
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             host=platform.node(), device=device.description if device else "cpu",
-            backend=cli.backend_name(mode), batch_size=batch_size, epochs=n_epochs,
-            steps=n_epochs * n_train_batches, training_time_s=train_time,
-            samples_per_s=samples_per_s, step_us=1e6 * train_time / n_epochs / n_train_batches,
+            backend=cli.backend_name(mode), batch_size=batch_size,
+            epochs_run=n_epochs, steps_per_epoch=n_train_batches, training_time_s=train_time,
+            samples_per_s=samples_per_s,
+            step_us=dict(step=1e6 * train_time / n_epochs / n_train_batches),  # as dual_mlp.py's
             validation_errors=validation_losses, best_validation_error=best_validation_loss,
             test_error=test_score)
         with datasets.atomic_write(json_path) as f:

@@ -90,9 +90,9 @@ def demo(name, args, batch, workers, n_train, steps, data, tmp, env=None):
          "--epochs", str(epochs), "--json", path], env)
     with open(path) as f:
         s = json.load(f)
-    us = s["step_us"]["step"] if isinstance(s["step_us"], dict) else s["step_us"]
+    us = s["step_us"]["step"]
     figure = dict(system=name, batch=batch, gpus=workers, samples_per_s=s["samples_per_s"],
-                  step_us=us, steps=s.get("steps") or s["epochs_run"] * s["steps_per_epoch"],
+                  step_us=us, steps=s["epochs_run"] * s["steps_per_epoch"],
                   validation_error=s["validation_errors"][-1])
     if "exchange_callbacks" in s:  # how often XLA ran the exchange's Python callback
         figure["exchange_callbacks"] = s["exchange_callbacks"]
