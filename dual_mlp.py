@@ -261,14 +261,18 @@ class DeviceOrdered:
                  finish=None, report=dict):
         self.rank, self.program, self.indices, self.data = rank, program, indices, data
         self.state, self._weights, self.gather, self.check = state, weights, gather, check
-        self._finish, self.report, self.max_diff = finish, report, 0.0
+        self._finish, self._report, self.max_diff = finish, report, 0.0
         self.queued, self.watchdog = collections.deque(), Watchdog(rank, timeout)
+        self.host_time, self.calls = 0.0, 0  # spent inside the program's call: the host's share
 
     def epoch(self, n_steps):
         with self.watchdog:
             for step in range(n_steps):
                 stop_point(self.rank, "train")
+                called = time.perf_counter()
                 cost, self.state = self.program(self.indices[step], self.data, *self.state)
+                self.host_time, self.calls = self.host_time + time.perf_counter() - called, \
+                    self.calls + 1
                 fault_point(self.rank, "exchange")
                 self.queued.append(cost)
                 if len(self.queued) > AHEAD:
@@ -288,6 +292,11 @@ class DeviceOrdered:
 
     def step_us(self, steps):
         return {}
+
+    def report(self):
+        """What bounds the speed: a step that costs the host as long as the
+        step takes is host-bound, one that costs it less waits for the GPU."""
+        return dict(self._report(), host_us_per_call=1e6 * self.host_time / max(1, self.calls))
 
     def finish(self):
         if self._finish:

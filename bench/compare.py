@@ -94,8 +94,8 @@ def demo(name, args, batch, workers, n_train, steps, data, tmp, env=None):
     figure = dict(system=name, batch=batch, gpus=workers, samples_per_s=s["samples_per_s"],
                   step_us=us, steps=s["epochs_run"] * s["steps_per_epoch"],
                   validation_error=s["validation_errors"][-1])
-    if "exchange_callbacks" in s:  # how often XLA ran the exchange's Python callback
-        figure["exchange_callbacks"] = s["exchange_callbacks"]
+    # how often XLA ran the exchange's Python callback; the host's time per step call
+    figure.update({k: s[k] for k in ("exchange_callbacks", "host_us_per_call") if k in s})
     print(f"  {name:28s} B={batch:6d}: {figure['samples_per_s'] / 1e6:8.2f} M samples/s "
           f"{us:8.0f} us/step", flush=True)
     return figure

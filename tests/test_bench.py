@@ -24,3 +24,41 @@ def test_compare_stops_at_a_failing_run_without_figures(tmp_path):
     assert out.stderr.strip().splitlines() == [f"compare.py: error: {tmp_path / 'none'}: cannot "
                                                "read: No such file or directory"]
     assert not (tmp_path / "compare_cpu.json").exists()
+
+
+def load_exchange_bench():
+    """bench/exchange.py as a module (its name is taken by the project's exchange.py)."""
+    import importlib.util
+    import sys
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("exchange_bench", ROOT / "bench" / "exchange.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_exchange_bench_refuses_a_rate_past_the_link_and_wrong_data():
+    import pytest
+    bench = load_exchange_bench()
+    good = dict(bytes=1 << 20, gbps=300.0, data_checked=True)
+    bench.refuse([good], 450.0, "two processes")  # a possible figure passes
+    with pytest.raises(SystemExit, match="1,048,576 bytes is past the link's 450 GB/s: a timing"):
+        bench.refuse([good, dict(good, gbps=1600.0)], 450.0, "two processes")
+    with pytest.raises(SystemExit, match="the copied data is wrong at 1,048,576 bytes"):
+        bench.refuse([dict(good, data_checked=False)], 450.0, "one process")
+
+
+def test_exchange_bench_sizes_span_4_kb_to_the_maximum_and_the_mlp():
+    bench = load_exchange_bench()
+    sizes = bench.sizes(256)
+    assert sizes[0] == 4096 and sizes[-1] == 256 << 20 and bench.MLP_BYTES in sizes
+    assert bench.MLP_BYTES == 397510 * 4
+    assert all(bench.repeats(s) >= 10 for s in sizes)
+
+
+def test_exchange_bench_help_and_bad_values():
+    out = script("bench/exchange.py", "--help")
+    assert out.returncode == 0 and "--link-gbps" in out.stdout
+    out = script("bench/exchange.py", "--max-mb", "3")
+    assert out.returncode == 2 and "power of two" in out.stderr
