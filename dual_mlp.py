@@ -44,6 +44,7 @@ import argparse
 import collections
 import ctypes
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -255,11 +256,14 @@ class DeviceOrdered:
     """``--sync gpu`` and ``--exchange xla``: a step, training and exchange,
     is one compiled program.  The host only queues it: it runs up to
     ``AHEAD`` steps ahead of the device and never waits within a step, so
-    the host clock times whole steps only."""
+    the host clock times whole steps only.
 
-    def __init__(self, rank, program, indices, data, state, weights, gather, check, timeout,
+    ``program(step, *state)`` queues one step and returns ``(marker, state)``;
+    ``done(marker)`` says whether the device has finished that step."""
+
+    def __init__(self, rank, program, done, state, weights, gather, check, timeout,
                  finish=None, report=dict):
-        self.rank, self.program, self.indices, self.data = rank, program, indices, data
+        self.rank, self.program, self.done = rank, program, done
         self.state, self._weights, self.gather, self.check = state, weights, gather, check
         self._finish, self._report, self.max_diff = finish, report, 0.0
         self.queued, self.watchdog = collections.deque(), Watchdog(rank, timeout)
@@ -270,19 +274,26 @@ class DeviceOrdered:
             for step in range(n_steps):
                 stop_point(self.rank, "train")
                 called = time.perf_counter()
-                cost, self.state = self.program(self.indices[step], self.data, *self.state)
+                marker, self.state = self.program(step, *self.state)
                 self.host_time, self.calls = self.host_time + time.perf_counter() - called, \
                     self.calls + 1
                 fault_point(self.rank, "exchange")
-                self.queued.append(cost)
+                self.queued.append(marker)
                 if len(self.queued) > AHEAD:
-                    wait_ready(self.queued.popleft())
+                    self.wait(self.queued.popleft())
                 self.watchdog.alive()
                 if self.check:
                     self.max_diff = max(self.max_diff, replica_spread(self.weights(), self.gather))
             while self.queued:  # the epoch ends when the device is done with it
-                wait_ready(self.queued.popleft())
+                self.wait(self.queued.popleft())
                 self.watchdog.alive()
+
+    def wait(self, marker):
+        """Wait for the device to finish a step, and for a stop request meanwhile."""
+        while not self.done(marker):
+            if stopping.is_set():
+                raise Interrupted
+            time.sleep(0.0002)
 
     def weights(self):
         return [np.array(w) for w in self._weights(*self.state)]
@@ -301,14 +312,6 @@ class DeviceOrdered:
     def finish(self):
         if self._finish:
             self._finish()
-
-
-def wait_ready(value):
-    """Wait for a device result, and for a stop request meanwhile."""
-    while not value.is_ready():
-        if stopping.is_set():
-            raise Interrupted
-        time.sleep(0.0002)
 
 
 class Watchdog:
@@ -375,32 +378,41 @@ def gpu_ordered(rank, world, model, device, layout, peer, args):
 
     train, data = jax_step(model)
     exchange = StreamExchange(device, layout)
+    n_steps = model.n_train_batches // world
 
     def average(params, received):
         return [(p + r) / 2 for p, r in zip(params, received)]
 
-    def step(index, data, params, received):
+    def step(data, counter, params, received):
+        index = world * (counter % n_steps) + rank               # this worker's minibatch
         mean = average(params, received)                         # 6. average, of step t-1
-        cost, new = train(index, data, mean)                     # 1. train
-        return cost, (new, exchange(new, received))              # 2.-5. publish, signal, copy
+        _, new = train(index, data, mean)                        # 1. train
+        return counter + 1, new, exchange(new, received)         # 2.-5. publish, signal, copy
 
     params = [storage(p) for p in model.params]
-    state = (params, [p.copy() for p in params])  # received = mine: the first average is a no-op
-    n_steps = model.n_train_batches // world
-    indices = [device.put(np.int32(world * t + rank)) for t in range(n_steps)]
-    # Compiled, not run (no peer yet).  The state is donated: XLA reuses its
-    # buffers for the new state, so the exchange sees the same addresses every
-    # step and XLA replays its captured launches instead of capturing anew.
-    program = jax.jit(step, donate_argnums=(2, 3)).lower(indices[0], data, *state).compile()
-    weights = jax.jit(average)  # the replica's weights, for validation and --check
+    # received = mine: the first average is a no-op
+    state = (device.put(np.int32(0)), params, [p.copy() for p in params])
+    # Compiled, not run (no peer yet).  The whole state is donated and the
+    # step returns nothing else, so XLA writes every step into the same
+    # buffers: the exchange's captured launches stay valid, and XLA replays
+    # its recorded step as it is, with nothing to update in it.  The host
+    # learns which steps are done from the exchange's counter in host memory.
+    compiled = jax.jit(step, donate_argnums=(1, 2, 3)).lower(data, *state).compile()
+    # the replica's weights, for validation and --check
+    weights = jax.jit(lambda counter, params, received: average(params, received))
     weights(*state)  # compiled now, not in the first epoch
+
+    queued = itertools.count(1)
+
+    def program(_, *state):  # the marker: this step's number, as the exchange counts them
+        return next(queued), compiled(data, *state)
 
     def finish():  # both GPUs are done: neither send buffer is read any more
         peer.barrier()
         exchange.close()
 
-    trainer = DeviceOrdered(rank, program, indices, data, state, weights, peer.gather, args.check,
-                            args.timeout, finish,
+    trainer = DeviceOrdered(rank, program, lambda t: exchange.steps_done() >= t, state,
+                            weights, peer.gather, args.check, args.timeout, finish,
                             report=lambda: {"exchange_callbacks": exchange.callbacks})
     return trainer, exchange
 
@@ -417,8 +429,9 @@ def xla_ordered(rank, world, model, device, xla, args):
     state = ([xla.replicated(storage(p)) for p in model.params],)
     indices = [xla.per_worker(device.put(np.array([world * t + rank], np.int32)))
                for t in range(model.n_train_batches // world)]
-    program = xla.program(step).lower(indices[0], data, *state).compile()
-    trainer = DeviceOrdered(rank, program, indices, data, state,
+    compiled = xla.program(step).lower(indices[0], data, *state).compile()
+    trainer = DeviceOrdered(rank, lambda t, *state: compiled(indices[t], data, *state),
+                            lambda cost: cost.is_ready(), state,
                             lambda params: [xla.local(p) for p in params], xla.gather,
                             args.check, args.timeout)
     return trainer
@@ -524,7 +537,7 @@ def worker(args, rank, world, dev, rundir):
         say(f"... training: {world} workers on {', '.join(args.devices)}"
             f"{f' x {args.nodes} nodes' if args.nodes > 1 else ''}, {args.batch_size} images per "
             f"worker per step, {n_steps} steps per epoch; weights through {route}")
-        steps_run, train_time, start_time = 0, 0.0, time.perf_counter()
+        steps_run, train_time, start_time, curve = 0, 0.0, time.perf_counter(), []
         for epoch in range(state["epoch"] + 1, args.epochs + 1):
             epoch_start = time.perf_counter()
             trainer.epoch(n_steps)
@@ -542,6 +555,8 @@ def worker(args, rank, world, dev, rundir):
                 state["test_error"] = float(model.test_model())
                 best_params = model.get_params()
             state["epoch"] = epoch
+            curve.append(mlp.epoch_record(epoch, train_time, this_validation_error,
+                                          state["test_error"]))
             say(f"epoch {epoch}/{args.epochs}: {n_steps} steps per worker ({world * n_steps} "
                 f"minibatches of {args.batch_size}), validation error "
                 f"{this_validation_error * 100.:.2f} %  "
@@ -553,11 +568,11 @@ def worker(args, rank, world, dev, rundir):
         if rank != 0:
             return
         summarise(args, state, trainer, steps_run, n_steps, world, train_time,
-                  time.perf_counter() - start_time, device, route, say)
+                  time.perf_counter() - start_time, device, route, curve, say)
 
 
 def summarise(args, state, trainer, steps_run, n_steps, world, train_time, wall, device, route,
-              say):
+              curve, say):
     """Worker 0's closing lines, and the --json summary."""
     samples_per_s = world * steps_run * args.batch_size / train_time
     step_us = dict(trainer.step_us(steps_run), step=1e6 * train_time / steps_run)
@@ -588,7 +603,7 @@ def summarise(args, state, trainer, steps_run, n_steps, world, train_time, wall,
         best_validation_error=state["best_validation_error"],
         test_error=state["test_error"], epochs_run=steps_run // n_steps,
         steps_per_epoch=n_steps, wall_time_s=wall, training_time_s=train_time,
-        samples_per_s=samples_per_s, step_us=step_us)
+        samples_per_s=samples_per_s, step_us=step_us, curve=curve)
     if "exchange" in step_us:
         summary["exchange_us_per_step"] = step_us["exchange"]
     if args.check:

@@ -173,6 +173,14 @@ def save_checkpoint(path, params, best_params, **state):
         np.savez(f, **arrays)
 
 
+def epoch_record(epoch, train_s, validation_error, test_error):
+    """One point of a run's learning curve (``--json``'s ``curve``): the
+    training seconds so far (no compile, no validation), the epoch's
+    validation error, and the test error of the best-validation model so far."""
+    return dict(epoch=epoch, train_s=train_s, validation_error=validation_error,
+                test_error=test_error)
+
+
 def parameter_shapes(n_in, n_hidden, n_out):
     """The shapes of ``MLP.params``: W and b of each layer."""
     return [(n_in, n_hidden), (n_hidden,), (n_hidden, n_out), (n_out,)]
@@ -238,7 +246,7 @@ def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, datase
 
     print("... training")
     best_validation_loss, test_score, best_params = np.inf, np.inf, model.get_params()
-    validation_losses, train_time = [], 0.0
+    validation_losses, train_time, curve = [], 0.0, []
     for epoch in range(1, n_epochs + 1):
         start = time.perf_counter()
         for minibatch_index in range(n_train_batches):
@@ -253,6 +261,7 @@ def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, datase
             best_validation_loss = this_validation_loss
             test_score = float(model.test_model())
             best_params = model.get_params()
+        curve.append(epoch_record(epoch, train_time, this_validation_loss, test_score))
     samples_per_s = n_epochs * n_train_batches * batch_size / train_time
     print(f"Optimization complete. Best validation score of {best_validation_loss * 100.:f} % "
           f"with test performance {test_score * 100.:f} %")
@@ -272,7 +281,7 @@ def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, datase
             samples_per_s=samples_per_s,
             step_us=dict(step=1e6 * train_time / n_epochs / n_train_batches),  # as dual_mlp.py's
             validation_errors=validation_losses, best_validation_error=best_validation_loss,
-            test_error=test_score)
+            test_error=test_score, curve=curve)
         with datasets.atomic_write(json_path) as f:
             f.write(json.dumps(summary, indent=2).encode())
     return best_validation_loss, test_score

@@ -23,7 +23,7 @@ After the training step of step t, five tiny kernels run on XLA's stream::
     copy  (x4)   my new weights -> send[t % 2]                 (publish)
     signal_wait  fence; peer.flags[1] = t; wait until flags[1] >= t
     copy  (x4)   peer.send[t % 2] -> this step's output         (copy)
-    copied       fence; peer.flags[2] = t
+    copied       fence; peer.flags[2] = t; done = t   (``done``: in host memory)
 
 and the average, (mine + peer's) / 2, is the first thing the next step
 computes (``dual_mlp.py`` folds it into the compiled step).
@@ -31,7 +31,11 @@ computes (``dual_mlp.py`` folds it into the compiled step).
 The kernels' arguments never change (the step number lives in GPU memory), so
 XLA may capture the launches into a CUDA graph once and replay them
 (``command_buffer_compatible``): then the Python callback below runs at
-capture only, not every step.  ``callbacks`` counts how often it ran.
+capture only, not every step.  ``callbacks`` counts how often it ran.  The
+host learns how far the GPU has got from ``done``, a counter the GPU writes
+into mapped host memory, so that the step needs no output of its own to be
+waited on (a fresh output buffer every step would make XLA update its
+recorded step every step, which costs the host more than the step).
 
 The driver calls go through ``cuda.bindings`` (NVIDIA's maintained Python
 binding of the CUDA driver API): PyCUDA launches only on its own stream
@@ -72,9 +76,10 @@ __global__ void signal_wait(int *flags, int *peer_flags) {
     while (read(flags + 1) < t) __nanosleep(64);
 }
 
-__global__ void copied(const int *flags, int *peer_flags) {
+__global__ void copied(const int *flags, int *peer_flags, int *done) {
     __threadfence_system();  // our reads of the peer's slot before the signal
     *(volatile int *)(peer_flags + 2) = flags[0];
+    *(volatile int *)done = flags[0];  // host memory: the host reads how far we are
 }
 }
 """
@@ -101,6 +106,7 @@ class StreamExchange:
         self.send = drv.mem_alloc(2 * layout.nbytes)
         self.flags = drv.mem_alloc(4 * 4)
         drv.memset_d32(self.flags, 0, 4)
+        self.done = drv.pagelocked_zeros(1, np.int32, mem_flags=drv.host_alloc_flags.DEVICEMAP)
         major, minor = drv.Device(0).compute_capability()
         cubin = compile_cuda(KERNELS, nvcc=nvcc(), arch=f"sm_{major}{minor}")
         self._image = np.frombuffer(cubin, np.uint8)  # must outlive the module
@@ -115,6 +121,10 @@ class StreamExchange:
         if error != self.cu.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"CUDA driver: {self.cu.cuGetErrorName(error)[1].decode()}")
         return value[0] if value else None
+
+    def steps_done(self):
+        """The last step whose exchange this GPU has finished."""
+        return int(self.done[0])
 
     def handle(self):
         return self.drv.mem_get_ipc_handle(self.send), self.drv.mem_get_ipc_handle(self.flags)
@@ -160,7 +170,7 @@ class StreamExchange:
         launch("signal_wait", flags, peer_flags)
         for out, (offset, n) in zip(received, parts):           # copy the peer's send[t % 2]
             launch("copy", flags, peer_send + offset * itemsize, slot, address(out), np.int64(0), n)
-        launch("copied", flags, peer_flags)
+        launch("copied", flags, peer_flags, int(self.done.base.get_device_pointer()))
 
     def close(self):
         for handle in (self.peer_send, self.peer_flags):
@@ -168,6 +178,7 @@ class StreamExchange:
                 handle.close()
         self.send.free()
         self.flags.free()
+        self.done.base.free()
         self._check(self.cu.cuModuleUnload(self._module))
 
 

@@ -44,6 +44,8 @@ sys.path.insert(0, ROOT)
 import datasets  # noqa: E402
 
 BATCHES = (500, 5000, 20000)
+REFERENCES = (("torch", "PyTorch eager, one GPU"), ("ddp", "PyTorch DDP, two GPUs"),
+              ("jax", "JAX jit over a 2-GPU mesh"))
 TABLE_BEGIN, TABLE_END = "<!-- compare.py: begin -->", "<!-- compare.py: end -->"
 
 
@@ -116,8 +118,13 @@ def reference(system, label, batches, steps, data):
 
 
 def gpu_runs(args, data, n_train, tmp, figures):
-    """Every system at every batch size, on GPUs 0 and 1."""
-    for batch in args.batches:
+    """Every system at every batch size, on GPUs 0 and 1: the references
+    first, then the demo at 5000, 20000 and 500 per GPU, so that a run cut
+    short still holds the comparisons that matter most."""
+    for system, label in REFERENCES:
+        for figure in reference(system, label, args.batches, args.steps, data):
+            figures.add(figure)
+    for batch in sorted(args.batches, key=lambda b: (b != 5000, -b)):
         runs = [("one GPU (mlp.py)", [], 1, {"THEANO_FLAGS": "device=cuda0"}),
                 ("demo 0 1 --sync gpu", ["0", "1", "--sync", "gpu"], 2, None),
                 ("demo 0 1 --exchange xla", ["0", "1", "--exchange", "xla"], 2, None),
@@ -129,10 +136,6 @@ def gpu_runs(args, data, n_train, tmp, figures):
             runs += [("demo 0 0 (one GPU, two workers)", ["0", "0"], 2, None)]
         for name, cmd, workers, env in runs:
             figures.add(demo(name, cmd, batch, workers, n_train, args.steps, data, tmp, env))
-    for system, label in (("torch", "PyTorch eager, one GPU"), ("ddp", "PyTorch DDP, two GPUs"),
-                          ("jax", "JAX jit over a 2-GPU mesh")):
-        for figure in reference(system, label, args.batches, args.steps, data):
-            figures.add(figure)
 
 
 def cpu_runs(args, data, n_train, tmp, figures):
@@ -171,16 +174,23 @@ def ratios(figures):
     return out
 
 
+def systems(figures):
+    """The systems measured, the project's first and the references last."""
+    references = {label for _, label in REFERENCES}
+    names = list(dict.fromkeys(f["system"] for f in figures))
+    return [n for n in names if n not in references] + [n for n in names if n in references]
+
+
 def plot(figures, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    systems = list(dict.fromkeys(f["system"] for f in figures))
+    names = systems(figures)
     batches = sorted({f["batch"] for f in figures})
     by = {(f["system"], f["batch"]): f["samples_per_s"] / 1e6 for f in figures}
     fig, ax = plt.subplots(figsize=(11, 5))
-    width = 0.8 / len(systems)
-    for i, system in enumerate(systems):
+    width = 0.8 / len(names)
+    for i, system in enumerate(names):
         xs = [j + i * width for j, b in enumerate(batches) if (system, b) in by]
         ys = [by[(system, b)] for b in batches if (system, b) in by]
         ax.bar(xs, ys, width, label=system)
@@ -202,7 +212,7 @@ def table(document):
              f"({document['device']}); samples/s (us per step).", "",
              "| system | devices | " + " | ".join(f"batch {b} per GPU" for b in batches) + " |",
              "| --- | --- | " + " | ".join("---" for _ in batches) + " |"]
-    for system in dict.fromkeys(f["system"] for f in figures):
+    for system in systems(figures):
         cells = [f"{by[system, b]['samples_per_s'] / 1e6:.2f} M ({by[system, b]['step_us']:.0f})"
                  if (system, b) in by else "" for b in batches]
         gpus = next(f["gpus"] for f in figures if f["system"] == system)

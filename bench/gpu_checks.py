@@ -16,9 +16,11 @@ from common import RESULTS, ROOT, record
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=RESULTS, help="folder for the results")
+    parser.add_argument("-k", metavar="EXPRESSION",
+                        help="only the tests pytest's -k selects (a device call has ten minutes)")
     args = parser.parse_args()
     pytest = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-s", "-rA", "-p",
-              "no:cacheprovider", "-o", "timeout=240"]
+              "no:cacheprovider", "-o", "timeout=240"] + (["-k", args.k] if args.k else [])
     os.makedirs(args.out, exist_ok=True)
     log_path = os.path.join(args.out, "gpu_checks.log")
     with open(log_path, "w") as f:  # as it runs: a run cut short keeps its log

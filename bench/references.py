@@ -13,8 +13,13 @@ mesh of every GPU, the global batch (B per GPU) sharded, XLA inserting the
 all-reduce.  Each batch size is warmed up, then timed over ``--steps``
 steps with the device synchronised only at both ends.  Prints one JSON
 object: {batch: {"samples_per_s", "step_us", "gpus"}}.
+
+With ``--curve`` (for bench/accuracy.py) it trains ``--epochs`` epochs at
+the first batch size from the tutorial's initial weights, in the demo's
+minibatch order, and prints the learning curve instead.
 """
 import argparse
+import collections
 import functools
 import json
 import os
@@ -26,10 +31,20 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import datasets  # noqa: E402
 
-N_HIDDEN, LEARNING_RATE, L2, WARM_UP = 500, 0.13, 1e-4, 20
+N_HIDDEN, WARM_UP = 500, 20
+# the demo's defaults; --curve takes others
+Hyper = collections.namedtuple("Hyper", "learning_rate l2")
+DEFAULTS = Hyper(0.13, 1e-4)
+
+# One system ready to train: ``run_steps(n)`` queues n SGD steps, ``synchronize()``
+# waits for the device, ``error(x, y)`` is the error rate of the replica on a
+# data set, ``reset()`` puts back the initial weights and minibatch order.
+Trainer = collections.namedtuple("Trainer", "run_steps synchronize error reset world "
+                                            "steps_per_epoch")
 
 
 def initial_weights(seed=1234):
+    """The tutorial's: hidden weights uniform in +-sqrt(6 / (fan in + fan out)), the rest 0."""
     rng = np.random.RandomState(seed)
     bound = np.sqrt(6.0 / (784 + N_HIDDEN))
     return [rng.uniform(-bound, bound, (784, N_HIDDEN)).astype(np.float32),
@@ -37,63 +52,170 @@ def initial_weights(seed=1234):
             np.zeros(10, np.float32)]
 
 
-def timed(run_steps, synchronize, steps):
-    """Seconds for ``steps`` steps after a warm-up, the device synchronised at both ends."""
-    run_steps(WARM_UP)
-    synchronize()
-    start = time.perf_counter()
-    run_steps(steps)
-    synchronize()
-    return time.perf_counter() - start
-
-
-def torch_rates(x, y, batches, steps, rank=0, world=1):
+def torch_trainer(x, y, batch, hyper, rank=0, world=1):
+    """PyTorch eager on GPU ``rank``; wrapped in DistributedDataParallel where
+    ``world`` > 1 (the process group already set up)."""
     import torch
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).long().to(device)
-    rates = {}
+    layers = torch.nn.Sequential(torch.nn.Linear(784, N_HIDDEN), torch.nn.Tanh(),
+                                 torch.nn.Linear(N_HIDDEN, 10)).to(device)
+    model = layers
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(layers, device_ids=[rank])
+    weights = [layers[0].weight, layers[2].weight]
+    optimiser = torch.optim.SGD(model.parameters(), lr=hyper.learning_rate)
+    n_batches, t = len(x) // (batch * world), 0
+
+    def reset():
+        nonlocal t
+        w1, b1, w2, b2 = initial_weights()
+        with torch.no_grad():  # torch keeps a layer's weights as (out, in)
+            for p, v in zip(layers.parameters(), (w1.T, b1, w2.T, b2)):
+                p.copy_(torch.from_numpy(np.ascontiguousarray(v)))
+        t = 0
+
+    def run_steps(n):
+        nonlocal t
+        for _ in range(n):
+            start = (t % n_batches * world + rank) * batch  # rank's part of minibatch t
+            xb, yb = x[start:start + batch], y[start:start + batch]
+            loss = torch.nn.functional.cross_entropy(model(xb), yb) + \
+                hyper.l2 * sum((w ** 2).sum() for w in weights)
+            optimiser.zero_grad(set_to_none=True)
+            loss.backward()
+            optimiser.step()
+            t += 1
+
+    @torch.no_grad()
+    def error(xs, ys):
+        xs, ys = torch.from_numpy(xs).to(device), torch.from_numpy(ys).long().to(device)
+        return (layers(xs).argmax(1) != ys).float().mean().item()
+
+    reset()
+    return Trainer(run_steps, torch.cuda.synchronize, error, reset, world, n_batches)
+
+
+def jax_trainer(x, y, batch, hyper):
+    """One jitted step over a mesh of every GPU, the global batch sharded."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    jax.config.update("jax_default_matmul_precision", "highest")
+    mesh = Mesh(np.array(jax.devices()), ("gpus",))
+    world = len(jax.devices())
+    replicated = NamedSharding(mesh, P())
+
+    def logits(params, xb):
+        w1, b1, w2, b2 = params
+        return jnp.tanh(xb @ w1 + b1) @ w2 + b2
+
+    def loss(params, xb, yb):
+        nll = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits(params, xb)),
+                                            yb[:, None], 1))
+        return nll + hyper.l2 * (jnp.sum(params[0] ** 2) + jnp.sum(params[2] ** 2))
+
+    @functools.partial(jax.jit, donate_argnums=0)  # the weights, updated in place
+    def step(params, data_x, data_y, t):
+        grads = jax.grad(loss)(params, data_x[t], data_y[t])
+        return [p - hyper.learning_rate * g for p, g in zip(params, grads)]
+
+    n_batches = len(x) // (batch * world)
+    rows = n_batches * batch * world
+    # (step, global batch, ...), the batch axis split over the GPUs
+    data_x = jax.device_put(x[:rows].reshape(n_batches, batch * world, 784),
+                            NamedSharding(mesh, P(None, "gpus")))
+    data_y = jax.device_put(y[:rows].reshape(n_batches, batch * world),
+                            NamedSharding(mesh, P(None, "gpus")))
+    indices = [jnp.int32(t) for t in range(n_batches)]
+    errors = jax.jit(lambda params, xs, ys: jnp.mean(jnp.argmax(logits(params, xs), 1) != ys))
+    state = {}
+
+    def reset():
+        state.update(t=0, params=[jax.device_put(w, replicated) for w in initial_weights()])
+
+    def run_steps(n):
+        for _ in range(n):
+            state["params"] = step(state["params"], data_x, data_y,
+                                   indices[state["t"] % n_batches])
+            state["t"] += 1
+
+    def error(xs, ys):
+        return float(errors(state["params"], jax.device_put(xs, replicated),
+                            jax.device_put(ys, replicated)))
+
+    reset()
+    return Trainer(run_steps, lambda: jax.block_until_ready(state["params"]), error, reset,
+                   world, n_batches)
+
+
+def rates(trainer_for, batches, steps):
+    """{batch: samples/s and us per step}, each batch warmed up, then ``steps``
+    steps timed with the device synchronised only at both ends."""
+    out = {}
     for batch in batches:
-        layers = torch.nn.Sequential(torch.nn.Linear(784, N_HIDDEN), torch.nn.Tanh(),
-                                     torch.nn.Linear(N_HIDDEN, 10)).to(device)
-        model = layers
-        if world > 1:
-            model = torch.nn.parallel.DistributedDataParallel(layers, device_ids=[rank])
-        weights = [layers[0].weight, layers[2].weight]
-        optimiser = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-        n_batches, t = len(x) // (batch * world), 0
-
-        def run_steps(n):
-            nonlocal t
-            for _ in range(n):
-                start = (t % n_batches * world + rank) * batch  # rank's part of minibatch t
-                xb, yb = x[start:start + batch], y[start:start + batch]
-                loss = torch.nn.functional.cross_entropy(model(xb), yb) + \
-                    L2 * sum((w ** 2).sum() for w in weights)
-                optimiser.zero_grad(set_to_none=True)
-                loss.backward()
-                optimiser.step()
-                t += 1
-        seconds = timed(run_steps, torch.cuda.synchronize, steps)
-        rates[batch] = dict(samples_per_s=world * batch * steps / seconds,
-                            step_us=1e6 * seconds / steps, gpus=world)
-    return rates
+        trainer = trainer_for(batch)
+        trainer.run_steps(WARM_UP)
+        trainer.synchronize()
+        start = time.perf_counter()
+        trainer.run_steps(steps)
+        trainer.synchronize()
+        seconds = time.perf_counter() - start
+        out[batch] = dict(samples_per_s=trainer.world * batch * steps / seconds,
+                          step_us=1e6 * seconds / steps, gpus=trainer.world)
+    return out
 
 
-def ddp_worker(rank, world, port, x, y, batches, steps, queue):
+def curve(trainer, epochs, valid, test):
+    """The learning curve, as ``dual_mlp.py --json`` records it: after each
+    epoch the training seconds so far (warm-up, evaluation not counted), the
+    validation error, and the test error of the best-validation replica."""
+    trainer.run_steps(WARM_UP)  # compiles and initialises; then back to the start
+    trainer.synchronize()
+    trainer.reset()
+    train_s, best, test_error, points = 0.0, np.inf, np.inf, []
+    for epoch in range(1, epochs + 1):
+        start = time.perf_counter()
+        trainer.run_steps(trainer.steps_per_epoch)
+        trainer.synchronize()
+        train_s += time.perf_counter() - start
+        validation_error = trainer.error(*valid)
+        if validation_error < best:
+            best, test_error = validation_error, trainer.error(*test)
+        points.append(dict(epoch=epoch, train_s=train_s, validation_error=validation_error,
+                           test_error=test_error))
+    return points
+
+
+def job(args, data, rank=0, world=1):
+    """What the command line asks for, on one process (``rank`` of ``world``)."""
+    (x, y), valid, test = data
+    if args.system == "jax":
+        trainer_for = functools.partial(jax_trainer, x, y, hyper=args.hyper)
+    else:
+        trainer_for = functools.partial(torch_trainer, x, y, hyper=args.hyper, rank=rank,
+                                        world=world)
+    if args.curve:
+        return curve(trainer_for(args.batches[0]), args.epochs, valid, test)
+    return rates(trainer_for, args.batches, args.steps)
+
+
+def ddp_worker(rank, world, port, args, data, queue):
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl", rank=rank, world_size=world)
     try:
-        rates = torch_rates(x, y, batches, steps, rank, world)
+        result = job(args, data, rank, world)
         if rank == 0:
-            queue.put(rates)
+            queue.put(result)
     finally:
         dist.destroy_process_group()
 
 
-def ddp_rates(x, y, batches, steps):
+def ddp(args, data):
+    """One process per GPU, DistributedDataParallel over NCCL."""
     import socket
 
     import torch
@@ -102,53 +224,9 @@ def ddp_rates(x, y, batches, steps):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    mp.spawn(ddp_worker, args=(world, port, x, y, batches, steps, queue), nprocs=world)
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(ddp_worker, args=(world, port, args, data, queue), nprocs=world)
     return queue.get()
-
-
-def jax_rates(x, y, batches, steps):
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    jax.config.update("jax_default_matmul_precision", "highest")
-    mesh = Mesh(np.array(jax.devices()), ("gpus",))
-    world = len(jax.devices())
-
-    def loss(params, xb, yb):
-        w1, b1, w2, b2 = params
-        logits = jnp.tanh(xb @ w1 + b1) @ w2 + b2
-        nll = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), yb[:, None], 1))
-        return nll + L2 * (jnp.sum(w1 ** 2) + jnp.sum(w2 ** 2))
-
-    @functools.partial(jax.jit, donate_argnums=0)  # the weights, updated in place
-    def step(params, data_x, data_y, t):
-        grads = jax.grad(loss)(params, data_x[t], data_y[t])
-        return [p - LEARNING_RATE * g for p, g in zip(params, grads)]
-
-    rates = {}
-    for batch in batches:
-        n_batches = len(x) // (batch * world)
-        rows = n_batches * batch * world
-        # (step, global batch, ...), the batch axis split over the GPUs
-        data_x = jax.device_put(x[:rows].reshape(n_batches, batch * world, 784),
-                                NamedSharding(mesh, P(None, "gpus")))
-        data_y = jax.device_put(y[:rows].reshape(n_batches, batch * world),
-                                NamedSharding(mesh, P(None, "gpus")))
-        params = [jax.device_put(w, NamedSharding(mesh, P())) for w in initial_weights()]
-        indices = [jnp.int32(t) for t in range(n_batches)]
-        t = 0
-
-        def run_steps(n):
-            nonlocal params, t
-            for _ in range(n):
-                params = step(params, data_x, data_y, indices[t % n_batches])
-                t += 1
-        seconds = timed(run_steps, lambda: jax.block_until_ready(params), steps)
-        rates[batch] = dict(samples_per_s=world * batch * steps / seconds,
-                            step_us=1e6 * seconds / steps, gpus=world)
-    return rates
 
 
 def main():
@@ -157,11 +235,17 @@ def main():
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--batches", type=int, nargs="+", required=True, help="per GPU")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--curve", action="store_true",
+                        help="train --epochs at the first batch size and print the learning "
+                             "curve instead of the speed")
+    parser.add_argument("--epochs", type=int, default=100)
+    parser.add_argument("--learning-rate", type=float, default=DEFAULTS.learning_rate)
+    parser.add_argument("--l2", type=float, default=DEFAULTS.l2)
     args = parser.parse_args()
-    (x, y), _, _ = datasets.read(args.dataset)
-    rates = {"torch": torch_rates, "ddp": ddp_rates, "jax": jax_rates}[args.system](
-        x, y, args.batches, args.steps)
-    print(json.dumps(rates))
+    args.hyper = Hyper(args.learning_rate, args.l2)
+    data = datasets.read(args.dataset)
+    result = ddp(args, data) if args.system == "ddp" else job(args, data)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

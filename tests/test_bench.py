@@ -2,6 +2,7 @@
 import json
 
 from conftest import script
+from datasets import SHIPPED
 
 
 def test_compare_cpu_subset_measures_both_systems_and_writes_its_files(tmp_path):
@@ -62,3 +63,38 @@ def test_exchange_bench_help_and_bad_values():
     assert out.returncode == 0 and "--link-gbps" in out.stdout
     out = script("bench/exchange.py", "--max-mb", "3")
     assert out.returncode == 2 and "power of two" in out.stderr
+
+
+def test_accuracy_cpu_subset_records_curves_and_when_each_system_reached_the_target(tmp_path):
+    out = script("bench/accuracy.py", "--cpu", "--epochs", 4, "--target", 0.85, "--out", tmp_path)
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "accuracy_cpu.json").read_text())
+    assert result["complete"] is True and result["target"] == 0.85
+    demo, one = result["systems"]
+    for s in (demo, one):
+        assert [p["epoch"] for p in s["curve"]] == [1, 2, 3, 4]
+        times = [p["train_s"] for p in s["curve"]]
+        assert times == sorted(times) and times[0] > 0
+        # reached at the first epoch whose best-validation test accuracy is >= 85 %
+        first = next(p for p in s["curve"] if p["test_error"] <= 0.15)
+        assert s["reached"]["epoch"] == first["epoch"]
+        assert s["reached"]["train_s"] == first["train_s"]
+    # the same minibatches of 200 in the same order: two workers follow one process
+    for a, b in zip(demo["curve"], one["curve"]):
+        assert abs(a["validation_error"] - b["validation_error"]) <= 0.003
+    assert (tmp_path / "accuracy_cpu.png").stat().st_size > 10000
+
+
+def test_jax_reference_trains_the_tutorial_model_like_mlp_py(tmp_path):
+    """The reference's learning curve is mlp.py's: same weights, minibatches and order."""
+    out = script("bench/references.py", "jax", "--curve", "--dataset", SHIPPED, "--batches", 100,
+                 "--epochs", 2, "--learning-rate", 0.1, "--l2", 0)
+    assert out.returncode == 0, out.stderr
+    reference = json.loads(out.stdout.strip().splitlines()[-1])
+    out = script("mlp.py", "--batch-size", 100, "--epochs", 2, "--learning-rate", 0.1, "--l2", 0,
+                 "--json", tmp_path / "m.json")
+    assert out.returncode == 0, out.stderr
+    mine = json.loads((tmp_path / "m.json").read_text())["curve"]
+    for a, b in zip(reference, mine):
+        assert abs(a["validation_error"] - b["validation_error"]) <= 0.002
+        assert abs(a["test_error"] - b["test_error"]) <= 0.002

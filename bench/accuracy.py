@@ -1,0 +1,139 @@
+"""Time to accuracy: how long each system takes to reach a test accuracy.
+
+    python bench/accuracy.py --dataset /usr/share/datasets/fashion-mnist   # two GPUs: ~5 min
+    python bench/accuracy.py --cpu                                          # a small CPU subset
+
+Every system trains the same model from the same initial weights on the
+same minibatches in the same order: 784-500-10 tanh, softmax NLL, SGD at
+``--learning-rate`` with ``--l2``, 200 examples per step in all (100 per GPU
+on two GPUs, 200 on one), for ``--epochs`` epochs.  After each epoch it
+records the training seconds so far (no compile, no evaluation), the
+validation error and the test error of the best-validation model (the
+tutorial's rule).  A system reaches the target at the first epoch where that
+test accuracy is at least ``--target``: its training seconds and steps then
+are the figures.  The systems: ``dual_mlp.py 0 1`` (GPU-ordered, ``--exchange
+xla``, host-ordered), the project's model on one GPU (``mlp.py``), PyTorch
+eager on one GPU and DDP on two, JAX's mesh data parallelism
+(``bench/references.py --curve``).  A run that fails stops the benchmark.
+
+Writes ``accuracy.json`` (command, date, machine, every curve, the figures)
+and ``accuracy.png`` (test accuracy against training seconds).
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from common import RESULTS, ROOT, record
+from compare import run
+
+sys.path.insert(0, ROOT)
+import datasets  # noqa: E402
+
+GLOBAL_BATCH = 200
+
+
+def demo(name, args, workers, opts, tmp, env=None):
+    """A dual_mlp.py (two workers) or mlp.py (one) run: its --json curve."""
+    path = os.path.join(tmp, "run.json")
+    script = "mlp.py" if workers == 1 else "dual_mlp.py"
+    run([sys.executable, script, *args, "--dataset", opts.dataset, "--batch-size",
+         str(GLOBAL_BATCH // workers), "--epochs", str(opts.epochs), "--learning-rate",
+         str(opts.learning_rate), "--l2", str(opts.l2), "--json", path], env)
+    with open(path) as f:
+        summary = json.load(f)
+    return summarise(name, workers, summary["curve"], summary["steps_per_epoch"], opts.target)
+
+
+def reference(system, name, workers, opts):
+    out = run([sys.executable, "bench/references.py", system, "--curve", "--dataset",
+               opts.dataset, "--batches", str(GLOBAL_BATCH // workers), "--epochs",
+               str(opts.epochs), "--learning-rate", str(opts.learning_rate), "--l2", str(opts.l2)])
+    curve = json.loads(out.stdout.strip().splitlines()[-1])
+    (x, _), _, _ = datasets.read(opts.dataset)
+    return summarise(name, workers, curve, len(x) // GLOBAL_BATCH, opts.target)
+
+
+def summarise(name, workers, curve, steps_per_epoch, target):
+    """The figures of one system: when its test accuracy first reached ``target``."""
+    reached = next((p for p in curve if 1 - p["test_error"] >= target), None)
+    result = dict(system=name, gpus=workers, batch_per_gpu=GLOBAL_BATCH // workers,
+                  curve=curve, final_test_accuracy=1 - curve[-1]["test_error"],
+                  reached=None if reached is None else dict(
+                      epoch=reached["epoch"], steps=reached["epoch"] * steps_per_epoch,
+                      train_s=reached["train_s"]))
+    where = (f"{reached['train_s']:7.1f} s, epoch {reached['epoch']}" if reached
+             else f"not within {len(curve)} epochs")
+    print(f"  {name:32s} {100 * target:.1f} % test accuracy: {where}; last "
+          f"{100 * result['final_test_accuracy']:.2f} %", flush=True)
+    return result
+
+
+def gpu_systems(opts, tmp):
+    yield demo("demo 0 1 --sync gpu", ["0", "1", "--sync", "gpu"], 2, opts, tmp)
+    yield demo("demo 0 1 --exchange xla", ["0", "1", "--exchange", "xla"], 2, opts, tmp)
+    yield demo("one GPU (mlp.py)", [], 1, opts, tmp, {"THEANO_FLAGS": "device=cuda0"})
+    yield reference("jax", "JAX jit over a 2-GPU mesh", 2, opts)
+    yield reference("torch", "PyTorch eager, one GPU", 1, opts)
+    yield reference("ddp", "PyTorch DDP, two GPUs", 2, opts)
+    yield demo("demo 0 1 --sync host", ["0", "1", "--sync", "host"], 2, opts, tmp)
+
+
+def cpu_systems(opts, tmp):
+    yield demo("demo cpu cpu", ["cpu", "cpu"], 2, opts, tmp)
+    yield demo("one CPU process (mlp.py)", [], 1, opts, tmp)
+
+
+def plot(results, target, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for r in results:
+        ax.plot([p["train_s"] for p in r["curve"]],
+                [100 * (1 - p["test_error"]) for p in r["curve"]], label=r["system"])
+    ax.axhline(100 * target, color="k", linestyle="--", linewidth=1,
+               label=f"target {100 * target:.1f} %")
+    ax.set_xscale("log")
+    ax.set_xlabel("training seconds (compile and evaluation not counted)")
+    ax.set_ylabel("test accuracy, best-validation model (%)")
+    ax.set_ylim(100 * target - 6, 100 * target + 2)
+    ax.set_title(f"784-500-10 MLP, {GLOBAL_BATCH} examples per step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", default=datasets.SHIPPED,
+                        help="a data set (default: the shipped digits)")
+    parser.add_argument("--cpu", action="store_true", help="the small CPU subset (CI)")
+    parser.add_argument("--target", type=float, default=0.875,
+                        help="test accuracy to reach (default: %(default)s)")
+    parser.add_argument("--epochs", type=int, default=120, help="the budget, in epochs")
+    parser.add_argument("--learning-rate", type=float, default=0.1)
+    parser.add_argument("--l2", type=float, default=0.0)
+    parser.add_argument("--out", default=RESULTS, help="folder for accuracy.json and .png")
+    opts = parser.parse_args()
+    if not 0 < opts.target < 1:
+        parser.error("--target is an accuracy between 0 and 1")
+    name = "accuracy_cpu" if opts.cpu else "accuracy"
+    results = []
+
+    def write(complete):  # after every system: a run cut short keeps what it measured
+        return record(name, opts.out, complete=complete, target=opts.target,
+                      dataset=opts.dataset, global_batch=GLOBAL_BATCH,
+                      learning_rate=opts.learning_rate, l2=opts.l2, epochs=opts.epochs,
+                      systems=results)
+    with tempfile.TemporaryDirectory() as tmp:
+        for result in (cpu_systems if opts.cpu else gpu_systems)(opts, tmp):
+            results.append(result)
+            write(complete=False)
+    write(complete=True)
+    plot(results, opts.target, os.path.join(opts.out, f"{name}.png"))
+
+
+if __name__ == "__main__":
+    main()
