@@ -423,7 +423,7 @@ def xla_ordered(rank, world, model, device, xla, args):
 
     def step(index, data, params):
         cost, new = train(index[0], data, params)                    # 1. train
-        return xla.mean(cost), ([xla.mean(p) for p in new],)         # 2.-6. all-reduce
+        return cost[None], ([xla.mean(p) for p in new],)             # 2.-6. all-reduce
 
     data = [xla.replicated(d) for d in data]
     state = ([xla.replicated(storage(p)) for p in model.params],)

@@ -452,11 +452,13 @@ class XlaExchange:
         return self.jax.lax.pmean(value, "workers")
 
     def program(self, step):
-        """``step(index, data, params)`` compiled as one SPMD program over all
-        workers: ``index`` is per worker, the rest is the same on every worker."""
+        """``step(index, data, params) -> (cost, state)`` compiled as one SPMD
+        program over all workers: ``index`` and ``cost`` (each worker's own,
+        shape (1,), only waited on) are per worker, the rest is the same on
+        every worker."""
         P = self.P
         spmd = self.jax.shard_map(step, mesh=self.mesh, in_specs=(P("workers"), P(), P()),
-                                  out_specs=P(), check_vma=False)
+                                  out_specs=(P("workers"), P()), check_vma=False)
         return self.jax.jit(spmd, donate_argnums=2)  # the weights: updated in place
 
     def gather(self, host_array):

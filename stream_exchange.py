@@ -16,7 +16,7 @@ Each worker allocates with PyCUDA, once, and shares by CUDA IPC, once:
   published, last step the peer copied]``.  The peer writes the last two,
   over NVLink, into this GPU's memory.
 
-After the training step of step t, five tiny kernels run on XLA's stream::
+After the training step of step t, small kernels run on XLA's stream::
 
     begin        t = ++flags[0]; wait until the peer has copied step t-2
                  (it read send[t % 2] then; we are about to overwrite it)

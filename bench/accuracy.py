@@ -17,7 +17,8 @@ eager on one GPU and DDP on two, JAX's mesh data parallelism
 (``bench/references.py --curve``).  A run that fails stops the benchmark.
 
 Writes ``accuracy.json`` (command, date, machine, every curve, the figures)
-and ``accuracy.png`` (test accuracy against training seconds).
+and ``accuracy.png`` (test accuracy against training seconds); ``--tables-from
+JSON`` regenerates the tables of README.md and bench/README.md from one.
 """
 import argparse
 import json
@@ -25,7 +26,7 @@ import os
 import sys
 import tempfile
 
-from common import RESULTS, ROOT, record
+from common import RESULTS, ROOT, record, tables_from
 from compare import run
 
 sys.path.insert(0, ROOT)
@@ -105,6 +106,24 @@ def plot(results, target, path):
     fig.savefig(path, dpi=110)
 
 
+def table(document):
+    """The Markdown table of an accuracy.json."""
+    target = 100 * document["target"]
+    lines = [f"Measured by `{document['command']}` on {document['date'][:10]}; "
+             f"{document['global_batch']} examples per step, learning rate "
+             f"{document['learning_rate']}, L2 {document['l2']}, {document['epochs']} epochs.", "",
+             f"| system | GPUs | batch per GPU | training seconds to {target:.1f} % | epoch (steps) "
+             f"| test accuracy after {document['epochs']} epochs |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for s in document["systems"]:
+        r = s["reached"]
+        when = (f"{r['train_s']:.1f} s", f"{r['epoch']} ({r['steps']})") if r else \
+            ("not reached", "")
+        lines.append(f"| {s['system']} | {s['gpus']} | {s['batch_per_gpu']} | {when[0]} | "
+                     f"{when[1]} | {100 * s['final_test_accuracy']:.2f} % |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default=datasets.SHIPPED,
@@ -116,7 +135,11 @@ def main():
     parser.add_argument("--learning-rate", type=float, default=0.1)
     parser.add_argument("--l2", type=float, default=0.0)
     parser.add_argument("--out", default=RESULTS, help="folder for accuracy.json and .png")
+    parser.add_argument("--tables-from", metavar="JSON",
+                        help="only regenerate the README tables from this accuracy.json")
     opts = parser.parse_args()
+    if opts.tables_from:
+        return tables_from(opts.tables_from, table)
     if not 0 < opts.target < 1:
         parser.error("--target is an accuracy between 0 and 1")
     name = "accuracy_cpu" if opts.cpu else "accuracy"
@@ -131,7 +154,8 @@ def main():
         for result in (cpu_systems if opts.cpu else gpu_systems)(opts, tmp):
             results.append(result)
             write(complete=False)
-    write(complete=True)
+    with open(write(complete=True)) as f:
+        print(table(json.load(f)))
     plot(results, opts.target, os.path.join(opts.out, f"{name}.png"))
 
 

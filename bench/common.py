@@ -3,6 +3,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -47,3 +48,27 @@ def dual_mlp(*args, json_path, env=None):
         raise RuntimeError(f"{shlex.join(cmd)} failed:\n{out.stderr[-3000:]}")
     with open(json_path) as f:
         return json.load(f)
+
+
+def write_block(name, text):
+    """Put ``text`` between ``<!-- NAME: begin -->`` and ``<!-- NAME: end -->`` in
+    README.md and bench/README.md, where they have such a block: the tables
+    there are generated from results files, never typed."""
+    begin, end = f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
+    for doc in (os.path.join(ROOT, "README.md"), os.path.join(ROOT, "bench", "README.md")):
+        with open(doc) as f:
+            content = f.read()
+        if begin not in content:
+            continue
+        content = re.sub(re.escape(begin) + ".*?" + re.escape(end),
+                         lambda m: f"{begin}\n{text}\n{end}", content, flags=re.S)
+        with open(doc, "w") as f:
+            f.write(content)
+        print(f"updated the {name} table in {os.path.relpath(doc, ROOT)}")
+
+
+def tables_from(argv, table):
+    """``--tables-from JSON``: regenerate a script's README tables from a results file."""
+    name = os.path.basename(sys.argv[0])
+    with open(argv) as f:
+        write_block(name, table(json.load(f)))

@@ -11,7 +11,8 @@ at 500, 5000 and 20000 examples per GPU per step, for:
 * ``dual_mlp.py 0 1`` with each exchange: GPU-ordered (``--sync gpu``),
   host-ordered (``--sync host``, under each ``--avg`` at 5000), ``--exchange
   xla``; and ``0 0`` (both workers on one GPU) at 5000;
-* PyTorch eager on one GPU and DistributedDataParallel on two;
+* PyTorch eager on one GPU and DistributedDataParallel on two, and
+  ``torch.compile`` on one where it runs (where it does not, the JSON says why);
 * JAX's own data parallelism: one ``jit`` over a mesh of both GPUs.
 
 The demo's runs report their own throughput (``--json``); the references
@@ -30,7 +31,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -38,15 +38,16 @@ import tempfile
 
 import numpy as np
 
-from common import RESULTS, ROOT, record
+from common import RESULTS, ROOT, record, tables_from
 
 sys.path.insert(0, ROOT)
 import datasets  # noqa: E402
 
 BATCHES = (500, 5000, 20000)
 REFERENCES = (("torch", "PyTorch eager, one GPU"), ("ddp", "PyTorch DDP, two GPUs"),
-              ("jax", "JAX jit over a 2-GPU mesh"))
-TABLE_BEGIN, TABLE_END = "<!-- compare.py: begin -->", "<!-- compare.py: end -->"
+              ("jax", "JAX jit over a 2-GPU mesh"),
+              ("torch-compile", "PyTorch torch.compile, one GPU"))
+OPTIONAL = {"torch-compile"}  # measured where it runs; where it does not, the run says why
 
 
 def tile(dataset, folder, repeat):
@@ -68,12 +69,19 @@ def tile(dataset, folder, repeat):
     return folder, len(tx) * repeat
 
 
-def run(cmd, env=None):
-    """Run a command to completion; its failure stops the benchmark."""
+class Failed(Exception):
+    """An optional system that did not run here; the message says why."""
+
+
+def run(cmd, env=None, optional=False):
+    """Run a command to completion; its failure stops the benchmark, or, for
+    an ``optional`` one, raises Failed with the last line of its error output."""
     print("$", shlex.join(cmd), flush=True)
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, **(env or {})))
     if out.returncode != 0:
+        if optional:
+            raise Failed((out.stderr.strip().splitlines() or ["no error output"])[-1])
         sys.exit(f"compare.py: error: {shlex.join(cmd)} failed (exit {out.returncode}):\n"
                  f"{out.stderr[-3000:]}")
     return out
@@ -105,7 +113,7 @@ def demo(name, args, batch, workers, n_train, steps, data, tmp, env=None):
 
 def reference(system, label, batches, steps, data):
     out = run([sys.executable, "bench/references.py", system, "--dataset", data, "--batches",
-               *map(str, batches), "--steps", str(steps)])
+               *map(str, batches), "--steps", str(steps)], optional=system in OPTIONAL)
     rates = json.loads(out.stdout.strip().splitlines()[-1])
     figures = []
     for batch in batches:
@@ -122,8 +130,12 @@ def gpu_runs(args, data, n_train, tmp, figures):
     first, then the demo at 5000, 20000 and 500 per GPU, so that a run cut
     short still holds the comparisons that matter most."""
     for system, label in REFERENCES:
-        for figure in reference(system, label, args.batches, args.steps, data):
-            figures.add(figure)
+        try:
+            for figure in reference(system, label, args.batches, args.steps, data):
+                figures.add(figure)
+        except Failed as e:
+            print(f"  {label}: did not run here: {e}", flush=True)
+            figures.meta.setdefault("not_run", {})[label] = str(e)
     for batch in sorted(args.batches, key=lambda b: (b != 5000, -b)):
         runs = [("one GPU (mlp.py)", [], 1, {"THEANO_FLAGS": "device=cuda0"}),
                 ("demo 0 1 --sync gpu", ["0", "1", "--sync", "gpu"], 2, None),
@@ -217,25 +229,17 @@ def table(document):
                  if (system, b) in by else "" for b in batches]
         gpus = next(f["gpus"] for f in figures if f["system"] == system)
         lines.append(f"| {system} | {gpus} | " + " | ".join(cells) + " |")
+    for name, why in document.get("not_run", {}).items():
+        lines.append(f"\n{name}: did not run here ({why})")
     for name, r in document.get("ratios", {}).items():
-        lines.append(f"\n{name}: {r['over_one_gpu']:.2f}x one GPU, {r['over_jax_mesh']:.2f}x "
-                     "JAX's own data parallelism")
+        system, batch = name.split(" @ ")
+        host = by[system, int(batch)].get("host_us_per_call")
+        bound = "" if host is None else (
+            f"; the host spends {host:.0f} us of the {by[system, int(batch)]['step_us']:.0f} us "
+            "step queueing it")
+        lines.append(f"\n{name}: {r['over_one_gpu']:.2f}x one GPU, {r['over_jax_mesh']:.3f}x "
+                     f"JAX's own data parallelism{bound}")
     return "\n".join(lines)
-
-
-def write_tables(results_json):
-    with open(results_json) as f:
-        text = table(json.load(f))
-    for doc in (os.path.join(ROOT, "README.md"), os.path.join(ROOT, "bench", "README.md")):
-        with open(doc) as f:
-            content = f.read()
-        if TABLE_BEGIN not in content:
-            continue
-        content = re.sub(re.escape(TABLE_BEGIN) + ".*?" + re.escape(TABLE_END),
-                         lambda m: f"{TABLE_BEGIN}\n{text}\n{TABLE_END}", content, flags=re.S)
-        with open(doc, "w") as f:
-            f.write(content)
-        print(f"updated the table in {os.path.relpath(doc, ROOT)}")
 
 
 def main():
@@ -253,7 +257,7 @@ def main():
                         help="only regenerate the README tables from this compare.json")
     args = parser.parse_args()
     if args.tables_from:
-        return write_tables(args.tables_from)
+        return tables_from(args.tables_from, table)
     if args.cpu:
         args.repeat, args.steps = 1, min(args.steps, 12)
     versions = {}
@@ -277,7 +281,7 @@ def main():
     with open(path) as f:
         print(table(json.load(f)))
     if args.tables:
-        write_tables(path)
+        tables_from(path, table)
 
 
 def device_name(cpu):

@@ -16,7 +16,8 @@ back after it, and must hold the source's pattern exactly, with the byte
 after it untouched.  A rate above the link's limit (read from ``nvidia-smi
 nvlink``, or ``--link-gbps``) is a timing error, not a result: the script
 stops with an error and writes no figures.  Writes ``exchange.json`` and
-``exchange.png``.
+``exchange.png``; ``--tables-from JSON`` regenerates the tables of README.md
+and bench/README.md from one.
 """
 import argparse
 import json
@@ -29,7 +30,7 @@ import tempfile
 
 import numpy as np
 
-from common import RESULTS, ROOT, record
+from common import RESULTS, ROOT, record, tables_from
 
 sys.path.insert(0, ROOT)  # first: `import exchange` is the project's module, not this script
 
@@ -214,6 +215,20 @@ def plot(series, limit, path):
     fig.savefig(path, dpi=110)
 
 
+def table(document):
+    """The Markdown table of an exchange.json."""
+    limit = document["link_limit_gbps"]
+    lines = [f"Measured by `{document['command']}` on {document['date'][:10]}; the link's limit "
+             f"{limit:.0f} GB/s one way ({document['link_limit_source']}); every copy checked.",
+             "", "| bytes per copy | two processes, CUDA IPC (GB/s) | one process, peer copy "
+             "(GB/s) | share of the link |", "| --- | --- | --- | --- |"]
+    for a, b in zip(document["two_processes"], document["one_process"]):
+        mark = " (the MLP's weights)" if a["bytes"] == document["mlp_bytes"] else ""
+        lines.append(f"| {a['bytes']:,}{mark} | {a['gbps']:.1f} | {b['gbps']:.1f} | "
+                     f"{a['gbps'] / limit:.0%} |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", nargs=2, default=["0", "1"], metavar="GPU",
@@ -224,11 +239,15 @@ def main():
                              "(default 450: H200 NVLink, 18 links x 25 GB/s)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per process")
     parser.add_argument("--out", default=RESULTS, help="folder for exchange.json and .png")
+    parser.add_argument("--tables-from", metavar="JSON",
+                        help="only regenerate the README tables from this exchange.json")
     parser.add_argument("--role", choices=("owner", "reader", "single"), help=argparse.SUPPRESS)
     parser.add_argument("--rundir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
         return {"owner": owner, "reader": reader, "single": single}[args.role](args)
+    if args.tables_from:
+        return tables_from(args.tables_from, table)
     if not 0 < args.max_mb <= 1024 or math.log2(args.max_mb) % 1:
         parser.error("--max-mb must be a power of two, at most 1024")
     two, one = run_workers(args)

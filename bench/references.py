@@ -7,7 +7,8 @@
 The model is the demo's: 784-500-10, tanh, softmax negative log-likelihood
 plus 1e-4 times the squared L2 norm of the weights, plain SGD, float32 at
 full precision (no TF32), the whole training set resident on each GPU.
-``torch``: PyTorch eager on one GPU; ``ddp``: DistributedDataParallel, one
+``torch``: PyTorch eager on one GPU; ``torch-compile``: the same model
+through ``torch.compile``; ``ddp``: DistributedDataParallel, one
 process per GPU (NCCL), batch B on each; ``jax``: one jitted step over a
 mesh of every GPU, the global batch (B per GPU) sharded, XLA inserting the
 all-reduce.  Each batch size is warmed up, then timed over ``--steps``
@@ -52,9 +53,10 @@ def initial_weights(seed=1234):
             np.zeros(10, np.float32)]
 
 
-def torch_trainer(x, y, batch, hyper, rank=0, world=1):
+def torch_trainer(x, y, batch, hyper, rank=0, world=1, compiled=False):
     """PyTorch eager on GPU ``rank``; wrapped in DistributedDataParallel where
-    ``world`` > 1 (the process group already set up)."""
+    ``world`` > 1 (the process group already set up); through ``torch.compile``
+    where ``compiled``."""
     import torch
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device("cuda", rank)
@@ -65,6 +67,8 @@ def torch_trainer(x, y, batch, hyper, rank=0, world=1):
     model = layers
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(layers, device_ids=[rank])
+    if compiled:
+        model = torch.compile(model)
     weights = [layers[0].weight, layers[2].weight]
     optimiser = torch.optim.SGD(model.parameters(), lr=hyper.learning_rate)
     n_batches, t = len(x) // (batch * world), 0
@@ -196,7 +200,7 @@ def job(args, data, rank=0, world=1):
         trainer_for = functools.partial(jax_trainer, x, y, hyper=args.hyper)
     else:
         trainer_for = functools.partial(torch_trainer, x, y, hyper=args.hyper, rank=rank,
-                                        world=world)
+                                        world=world, compiled=args.system == "torch-compile")
     if args.curve:
         return curve(trainer_for(args.batches[0]), args.epochs, valid, test)
     return rates(trainer_for, args.batches, args.steps)
@@ -231,7 +235,7 @@ def ddp(args, data):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("system", choices=("torch", "ddp", "jax"))
+    parser.add_argument("system", choices=("torch", "torch-compile", "ddp", "jax"))
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--batches", type=int, nargs="+", required=True, help="per GPU")
     parser.add_argument("--steps", type=int, default=200)

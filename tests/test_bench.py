@@ -98,3 +98,23 @@ def test_jax_reference_trains_the_tutorial_model_like_mlp_py(tmp_path):
     for a, b in zip(reference, mine):
         assert abs(a["validation_error"] - b["validation_error"]) <= 0.002
         assert abs(a["test_error"] - b["test_error"]) <= 0.002
+
+
+def test_an_optional_reference_that_fails_is_reported_not_fatal(capsys):
+    import sys
+
+    import pytest
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "bench"))
+    import compare
+    with pytest.raises(compare.Failed, match="^no compiler here$"):
+        compare.run([sys.executable, "-c", "import sys; sys.exit('no compiler here')"],
+                    optional=True)
+    with pytest.raises(SystemExit, match="failed \\(exit 1\\)"):
+        compare.run([sys.executable, "-c", "import sys; sys.exit('boom')"])
+    document = dict(command="python bench/compare.py", date="2026-11-30", device="x",
+                    figures=[dict(system="demo", batch=500, gpus=2, samples_per_s=1e6,
+                                  step_us=100.0)],
+                    not_run={"PyTorch torch.compile, one GPU": "no compiler here"})
+    assert "PyTorch torch.compile, one GPU: did not run here (no compiler here)" in \
+        compare.table(document)
