@@ -105,15 +105,16 @@ def demo(name, args, batch, workers, n_train, steps, data, tmp, env=None):
                   step_us=us, steps=s["epochs_run"] * s["steps_per_epoch"],
                   validation_error=s["validation_errors"][-1])
     # how often XLA ran the exchange's Python callback; the host's time per step call
-    figure.update({k: s[k] for k in ("exchange_callbacks", "host_us_per_call") if k in s})
+    figure.update({k: s[k] for k in ("exchange_callbacks", "host_us_per_call",
+                                     "max_replica_diff") if k in s})
     print(f"  {name:28s} B={batch:6d}: {figure['samples_per_s'] / 1e6:8.2f} M samples/s "
           f"{us:8.0f} us/step", flush=True)
     return figure
 
 
-def reference(system, label, batches, steps, data):
+def reference(system, label, batches, steps, data, env=None):
     out = run([sys.executable, "bench/references.py", system, "--dataset", data, "--batches",
-               *map(str, batches), "--steps", str(steps)], optional=system in OPTIONAL)
+               *map(str, batches), "--steps", str(steps)], env, optional=system in OPTIONAL)
     rates = json.loads(out.stdout.strip().splitlines()[-1])
     figures = []
     for batch in batches:

@@ -118,3 +118,21 @@ def test_an_optional_reference_that_fails_is_reported_not_fatal(capsys):
                     not_run={"PyTorch torch.compile, one GPU": "no compiler here"})
     assert "PyTorch torch.compile, one GPU: did not run here (no compiler here)" in \
         compare.table(document)
+
+
+def test_scaling_cpu_measures_one_to_three_workers_with_identical_replicas(tmp_path):
+    out = script("bench/scaling.py", "--cpu", "--out", tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "scaling_cpu.json").read_text())
+    assert result["workers"] == [1, 2, 3]
+    assert result["max_replica_diff"] == {"2": 0.0, "3": 0.0}
+    seen = {(f["system"], f["workers"]): f for f in result["figures"]}
+    for n in (1, 2, 3):
+        for system in ("the demo (mlp.py on one, --exchange xla on more)",
+                       "JAX jit over a mesh of the same devices"):
+            f = seen[system, n]
+            assert f["samples_per_s"] > 0
+            assert f["efficiency"] == (1.0 if n == 1 else
+                                       f["samples_per_s"] / (n * seen[system, 1]["samples_per_s"]))
+    assert ("the demo, peer to peer", 2) in seen
+    assert (tmp_path / "scaling_cpu.png").stat().st_size > 10000

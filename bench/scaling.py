@@ -1,0 +1,134 @@
+"""Scaling: samples/s for 1, 2, 4 and 8 workers, beside JAX's own data parallelism.
+
+    python bench/scaling.py --dataset /usr/share/datasets/fashion-mnist   # every GPU here
+    python bench/scaling.py --cpu                                          # 1-3 CPU workers
+
+For each worker count N up to the GPUs this machine has (1, 2, 4, 8) and each
+batch size per GPU: the demo on N GPUs with ``--exchange xla`` (N = 1: the
+project's model on one GPU, ``mlp.py``), the GPU-ordered peer-to-peer
+exchange where it applies (N = 2), and JAX's own data parallelism over the
+same N GPUs (``bench/references.py jax`` with those GPUs visible).  Scaling
+efficiency is N-worker samples/s over N times the one-worker figure of the
+same system.  A short ``--check`` run per N confirms identical replicas.  A
+run that fails stops the benchmark.  Writes ``scaling.json`` (command, date,
+machine with ``nvidia-smi topo -m``, every figure) and ``scaling.png``.
+"""
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+from common import RESULTS, ROOT, record
+from compare import demo, reference, tile
+
+sys.path.insert(0, ROOT)
+import datasets  # noqa: E402
+
+JAX = "JAX jit over a mesh of the same devices"
+DEMO = "the demo (mlp.py on one, --exchange xla on more)"
+
+
+def gpu_count():
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return len(out.stdout.strip().splitlines()) if out.returncode == 0 else 0
+
+
+def runs_for(n, cpu):
+    """(system, command line, environment) of each demo run with ``n`` workers."""
+    if cpu:
+        devices = ["cpu"] * n
+        one = (DEMO, [], {})
+    else:
+        devices = [str(i) for i in range(n)]
+        one = (DEMO, [], {"THEANO_FLAGS": "device=cuda0"})
+    if n == 1:
+        return [one]
+    runs = [(DEMO, devices + ["--exchange", "xla"], {})]
+    if n == 2:
+        runs.append(("the demo, peer to peer", devices, {}))
+    return runs
+
+
+def measure(args, data, n_train, tmp):
+    figures, checks = [], {}
+    for n in args.workers:
+        visible = ",".join(str(i) for i in range(n))
+        jax_env = ({"JAX_PLATFORMS": "cpu",
+                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+                   if args.cpu else {"CUDA_VISIBLE_DEVICES": visible})
+        for f in reference("jax", JAX, args.batches, args.steps, data, jax_env):
+            figures.append(dict(f, workers=n))
+        for batch in args.batches:
+            for system, cmd, env in runs_for(n, args.cpu):
+                figures.append(dict(demo(system, cmd, batch, n, n_train, args.steps, data, tmp,
+                                         env), workers=n))
+        if n > 1:  # identical replicas: every step's weights compared across all workers
+            check = runs_for(n, args.cpu)[0][1] + ["--check"]
+            s = demo(f"--check, {n} workers", check, args.batches[0], n, n_train, 1, data, tmp)
+            checks[n] = s["max_replica_diff"]
+    return figures, checks
+
+
+def efficiency(figures):
+    """N-worker samples/s over N times the same system's one-worker figure."""
+    one = {(f["system"], f["batch"]): f["samples_per_s"] for f in figures if f["workers"] == 1}
+    for f in figures:
+        base = one.get((f["system"], f["batch"])) or one.get((DEMO, f["batch"]))
+        f["efficiency"] = f["samples_per_s"] / (f["workers"] * base) if base else None
+    return figures
+
+
+def plot(figures, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for (system, batch) in dict.fromkeys((f["system"], f["batch"]) for f in figures):
+        points = sorted((f["workers"], f["samples_per_s"] / 1e6) for f in figures
+                        if (f["system"], f["batch"]) == (system, batch))
+        ax.plot(*zip(*points), marker="o", label=f"{system}, {batch} per worker")
+    ax.set_xlabel("workers (GPUs)")
+    ax.set_ylabel("million samples / s")
+    ax.set_xticks(sorted({f["workers"] for f in figures}))
+    ax.set_title("784-500-10 MLP, float32, data parallel")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", default=datasets.SHIPPED,
+                        help="a data set to tile (default: the shipped digits)")
+    parser.add_argument("--cpu", action="store_true", help="1 to 3 CPU workers (CI)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[5000, 20000],
+                        help="per worker (default: 5000 20000)")
+    parser.add_argument("--steps", type=int, default=200, help="timed steps, at least")
+    parser.add_argument("--repeat", type=int, default=8, help="tiling of the training set")
+    parser.add_argument("--out", default=RESULTS, help="folder for scaling.json and .png")
+    args = parser.parse_args()
+    if args.cpu:
+        args.workers, args.batches, args.repeat, args.steps = [1, 2, 3], [100], 1, 12
+    else:
+        gpus = gpu_count()
+        args.workers = [n for n in (1, 2, 4, 8) if n <= gpus]
+        if not args.workers:
+            parser.error("no GPU here (nvidia-smi lists none); --cpu runs CPU workers")
+    name = "scaling_cpu" if args.cpu else "scaling"
+    with tempfile.TemporaryDirectory() as tmp:
+        os.makedirs(os.path.join(tmp, "data"))
+        data, n_train = tile(args.dataset, os.path.join(tmp, "data"), args.repeat)
+        figures, checks = measure(args, data, n_train, tmp)
+    record(name, args.out, workers=args.workers, batches=args.batches, dataset=args.dataset,
+           repeat=args.repeat, min_steps=args.steps, max_replica_diff=checks,
+           figures=efficiency(figures))
+    plot(figures, os.path.join(args.out, f"{name}.png"))
+    for f in figures:
+        eff = "" if f["efficiency"] is None else f", efficiency {f['efficiency']:.2f}"
+        print(f"{f['workers']} x {f['system']:28s} B={f['batch']:6d}: "
+              f"{f['samples_per_s'] / 1e6:7.2f} M samples/s{eff}")
+
+
+if __name__ == "__main__":
+    main()
