@@ -374,24 +374,29 @@ def jax_step(model):
 def gpu_ordered(rank, world, model, device, layout, peer, args):
     """``--sync gpu``: the exchange as kernels on this GPU's stream, inside the step."""
     import jax
+    import jax.numpy as jnp
     from stream_exchange import StreamExchange
 
     train, data = jax_step(model)
     exchange = StreamExchange(device, layout)
     n_steps = model.n_train_batches // world
 
+    def flat(params):  # the weights travel as one buffer: one copy each way
+        return jnp.concatenate([p.ravel() for p in params])
+
     def average(params, received):
-        return [(p + r) / 2 for p, r in zip(params, received)]
+        return (params + received) / 2
 
     def step(data, counter, params, received):
         index = world * (counter % n_steps) + rank               # this worker's minibatch
         mean = average(params, received)                         # 6. average, of step t-1
-        _, new = train(index, data, mean)                        # 1. train
+        _, new = train(index, data, layout.views(mean))          # 1. train
+        new = flat(new)
         return counter + 1, new, exchange(new, received)         # 2.-5. publish, signal, copy
 
-    params = [storage(p) for p in model.params]
+    params = jax.jit(flat)([storage(p) for p in model.params])
     # received = mine: the first average is a no-op
-    state = (device.put(np.int32(0)), params, [p.copy() for p in params])
+    state = (device.put(np.int32(0)), params, params.copy())
     # Compiled, not run (no peer yet).  The whole state is donated and the
     # step returns nothing else, so XLA writes every step into the same
     # buffers: the exchange's captured launches stay valid, and XLA replays
@@ -399,7 +404,7 @@ def gpu_ordered(rank, world, model, device, layout, peer, args):
     # learns which steps are done from the exchange's counter in host memory.
     compiled = jax.jit(step, donate_argnums=(1, 2, 3)).lower(data, *state).compile()
     # the replica's weights, for validation and --check
-    weights = jax.jit(lambda counter, params, received: average(params, received))
+    weights = jax.jit(lambda counter, params, received: layout.views(average(params, received)))
     weights(*state)  # compiled now, not in the first epoch
 
     queued = itertools.count(1)

@@ -16,13 +16,14 @@ Each worker allocates with PyCUDA, once, and shares by CUDA IPC, once:
   published, last step the peer copied]``.  The peer writes the last two,
   over NVLink, into this GPU's memory.
 
-After the training step of step t, small kernels run on XLA's stream::
+The weights travel as one flat buffer (``exchange.Layout``).  After the
+training step of step t, five small kernels run on XLA's stream::
 
     begin        t = ++flags[0]; wait until the peer has copied step t-2
                  (it read send[t % 2] then; we are about to overwrite it)
-    copy  (x4)   my new weights -> send[t % 2]                 (publish)
+    copy         my new weights -> send[t % 2]                 (publish)
     signal_wait  fence; peer.flags[1] = t; wait until flags[1] >= t
-    copy  (x4)   peer.send[t % 2] -> this step's output         (copy)
+    copy         peer.send[t % 2] -> this step's output         (copy)
     copied       fence; peer.flags[2] = t; done = t   (``done``: in host memory)
 
 and the average, (mine + peer's) / 2, is the first thing the next step
@@ -90,8 +91,8 @@ class StreamExchange:
     """One worker's side of the GPU-ordered exchange (see the module's text).
 
     ``handle()`` / ``connect(peer_handle)`` swap the IPC handles once, over
-    the zmq link; ``__call__(new_params, received)``, inside a jitted
-    function, returns the peer's new parameters of the same step, written
+    the zmq link; ``__call__(new, received)``, inside a jitted function,
+    takes this step's new weights (flat) and returns the peer's, written
     over ``received`` (the previous step's), so that with the step's inputs
     donated their buffers, and the captured launches, stay the same."""
 
@@ -132,13 +133,12 @@ class StreamExchange:
     def connect(self, handle):
         self.peer_send, self.peer_flags = (self.drv.IPCMemoryHandle(h) for h in handle)
 
-    def __call__(self, new_params, received):
+    def __call__(self, new, received):
         from jax.experimental.buffer_callback import buffer_callback
-        n = len(new_params)
-        shapes = [self._shape_dtype(p) for p in received]
-        return buffer_callback(self._enqueue, shapes, has_side_effect=True,
-                               input_output_aliases={n + i: i for i in range(n)},
-                               command_buffer_compatible=True)(*new_params, *received)
+        (peers,) = buffer_callback(self._enqueue, [self._shape_dtype(received)],
+                                   has_side_effect=True, input_output_aliases={1: 0},
+                                   command_buffer_compatible=True)(new, received)
+        return peers
 
     @staticmethod
     def _shape_dtype(value):
@@ -153,23 +153,16 @@ class StreamExchange:
         self._check(self.cu.cuLaunchKernel(self._kernel[name], grid, 1, 1, block, 1, 1, 0,
                                            self.cu.CUstream(stream), (args, tuple(types)), 0))
 
-    def _enqueue(self, ctx, received, *inputs):
+    def _enqueue(self, ctx, out, new, _received):  # _received: the same buffer as out[0]
         """XLA's callback: enqueue the exchange of one step on ``ctx.stream``.
         Runs once per step, or only when XLA captures it anew (new buffers)."""
-        new_params = inputs[:len(received)]
         self.callbacks += 1
-        flags, peer_flags = int(self.flags), int(self.peer_flags)
-        send, peer_send = int(self.send), int(self.peer_send)
-        slot, itemsize = np.int64(self.layout.size), self.layout.dtype.itemsize
-        parts = list(zip(self.layout.offsets, map(np.int64, self.layout.sizes)))
+        flags, peer_flags, n = int(self.flags), int(self.peer_flags), np.int64(self.layout.size)
         launch = functools.partial(self._launch, ctx.stream)
-
         launch("begin", flags)
-        for value, (offset, n) in zip(new_params, parts):       # publish into send[t % 2]
-            launch("copy", flags, address(value), np.int64(0), send + offset * itemsize, slot, n)
+        launch("copy", flags, address(new), np.int64(0), int(self.send), n, n)  # into send[t % 2]
         launch("signal_wait", flags, peer_flags)
-        for out, (offset, n) in zip(received, parts):           # copy the peer's send[t % 2]
-            launch("copy", flags, peer_send + offset * itemsize, slot, address(out), np.int64(0), n)
+        launch("copy", flags, int(self.peer_send), n, address(out[0]), np.int64(0), n)  # its copy
         launch("copied", flags, peer_flags, int(self.done.base.get_device_pointer()))
 
     def close(self):

@@ -1,4 +1,7 @@
 """The tutorial's model, in-process: gradients, and both PyTensor backends."""
+import types
+
+import theano_flags  # first, as in the scripts: it sets PyTensor's flags before PyTensor starts
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -6,7 +9,6 @@ import pytest
 
 import datasets
 import mlp
-import theano_flags
 from logistic_sgd import LogisticRegression, load_data, minibatch
 
 
@@ -122,3 +124,42 @@ def test_after_the_warm_up_the_jax_step_does_not_compile_again():
     finally:
         logging.getLogger("jax").removeHandler(handler)
     assert not [m for m in compiled if "Compiling" in m], compiled
+
+
+def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_weights(
+        monkeypatch):
+    """The JAX side of ``--sync gpu`` (flat weights, the averaging folded into
+    the next step, the minibatch picked by a counter in the donated state),
+    run on JAX's CPU with an exchange that hands back this worker's own new
+    weights, as a peer with the same weights would: each step must then be
+    PyTensor's own SGD step.  The CUDA side runs in the GPU tests."""
+    import dual_mlp
+    import stream_exchange
+    from exchange import JaxDevice, Layout
+
+    class EchoExchange:
+        callbacks = 0
+
+        def __init__(self, device, layout):
+            pass
+
+        def __call__(self, new, received):
+            return new + 0 * received
+
+    monkeypatch.setattr(stream_exchange, "StreamExchange", EchoExchange)
+    device = JaxDevice()
+    model = mlp.Model(load_data(datasets.SHIPPED, put=device.put), 100, learning_rate=0.1,
+                      mode="JAX")
+    model.warm_up(put=device.put)
+    layout = Layout([p.get_value().shape for p in model.params], "float32")
+    start = model.get_params()
+    args = types.SimpleNamespace(check=False, timeout=30)
+    no_peer = types.SimpleNamespace(gather=None, barrier=lambda: None)
+    trainer, _ = dual_mlp.gpu_ordered(0, 1, model, device, layout, no_peer, args)
+    trainer.done = lambda step: True  # no counter in host memory without the CUDA side
+    trainer.epoch(5)
+    for i in range(5):
+        model.train_model(i)
+    for mine, theirs in zip(trainer.weights(), model.get_params()):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(trainer.weights()[0], start[0])  # it did train
