@@ -243,7 +243,8 @@ def main(argv=None):
             make_shipped(args.out)
         else:
             for name, (x, y) in zip(("train", "valid", "test"), read(args.path)):
-                print(f"{name}: {x.shape[0]} images, classes {np.bincount(y, minlength=10).tolist()}")
+                classes = np.bincount(y, minlength=10).tolist()
+                print(f"{name}: {x.shape[0]} images, classes {classes}")
     except (DatasetError, OSError) as e:
         sys.exit(f"error: {e}")
 

@@ -112,8 +112,8 @@ def table(document):
     lines = [f"Measured by `{document['command']}` on {document['date'][:10]}; "
              f"{document['global_batch']} examples per step, learning rate "
              f"{document['learning_rate']}, L2 {document['l2']}, {document['epochs']} epochs.", "",
-             f"| system | GPUs | batch per GPU | training seconds to {target:.1f} % | epoch (steps) "
-             f"| test accuracy after {document['epochs']} epochs |",
+             f"| system | GPUs | batch per GPU | training seconds to {target:.1f} % "
+             f"| epoch (steps) | test accuracy after {document['epochs']} epochs |",
              "| --- | --- | --- | --- | --- | --- |"]
     for s in document["systems"]:
         r = s["reached"]
