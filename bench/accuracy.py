@@ -27,7 +27,7 @@ import sys
 import tempfile
 
 from common import RESULTS, ROOT, record, tables_from
-from compare import run
+from compare import run, summary_of
 
 sys.path.insert(0, ROOT)
 import datasets  # noqa: E402
@@ -35,29 +35,30 @@ import datasets  # noqa: E402
 GLOBAL_BATCH = 200
 
 
+def training(opts):
+    """The options every system trains with: the data, batch, epochs and rates."""
+    return ["--dataset", opts.dataset, "--epochs", str(opts.epochs), "--learning-rate",
+            str(opts.learning_rate), "--l2", str(opts.l2)]
+
+
 def demo(name, args, workers, opts, tmp, env=None):
     """A dual_mlp.py (two workers) or mlp.py (one) run: its --json curve."""
-    path = os.path.join(tmp, "run.json")
-    script = "mlp.py" if workers == 1 else "dual_mlp.py"
-    run([sys.executable, script, *args, "--dataset", opts.dataset, "--batch-size",
-         str(GLOBAL_BATCH // workers), "--epochs", str(opts.epochs), "--learning-rate",
-         str(opts.learning_rate), "--l2", str(opts.l2), "--json", path], env)
-    with open(path) as f:
-        summary = json.load(f)
-    return summarise(name, workers, summary["curve"], summary["steps_per_epoch"], opts.target)
+    summary = summary_of([*args, *training(opts), "--batch-size",
+                          str(GLOBAL_BATCH // workers)], workers, tmp, env)
+    return summarise(name, workers, summary, opts.target)
 
 
 def reference(system, name, workers, opts):
-    out = run([sys.executable, "bench/references.py", system, "--curve", "--dataset",
-               opts.dataset, "--batches", str(GLOBAL_BATCH // workers), "--epochs",
-               str(opts.epochs), "--learning-rate", str(opts.learning_rate), "--l2", str(opts.l2)])
-    curve = json.loads(out.stdout.strip().splitlines()[-1])
-    (x, _), _, _ = datasets.read(opts.dataset)
-    return summarise(name, workers, curve, len(x) // GLOBAL_BATCH, opts.target)
+    out = run([sys.executable, "bench/references.py", system, "--curve",
+               *training(opts), "--batches", str(GLOBAL_BATCH // workers)])
+    return summarise(name, workers, json.loads(out.stdout.strip().splitlines()[-1]),
+                     opts.target)
 
 
-def summarise(name, workers, curve, steps_per_epoch, target):
-    """The figures of one system: when its test accuracy first reached ``target``."""
+def summarise(name, workers, run, target):
+    """The figures of one system (``run``: its ``curve`` and ``steps_per_epoch``):
+    when its test accuracy first reached ``target``."""
+    curve, steps_per_epoch = run["curve"], run["steps_per_epoch"]
     reached = next((p for p in curve if 1 - p["test_error"] >= target), None)
     result = dict(system=name, gpus=workers, batch_per_gpu=GLOBAL_BATCH // workers,
                   curve=curve, final_test_accuracy=1 - curve[-1]["test_error"],

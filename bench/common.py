@@ -67,8 +67,9 @@ def write_block(name, text):
         print(f"updated the {name} table in {os.path.relpath(doc, ROOT)}")
 
 
-def tables_from(argv, table):
-    """``--tables-from JSON``: regenerate a script's README tables from a results file."""
+def tables_from(path, table):
+    """``--tables-from JSON``: regenerate the running script's README tables
+    (the block named after it) from a results file."""
     name = os.path.basename(sys.argv[0])
-    with open(argv) as f:
+    with open(path) as f:
         write_block(name, table(json.load(f)))

@@ -91,15 +91,21 @@ def epochs_for(steps, steps_per_epoch):
     return max(1, math.ceil(steps / steps_per_epoch))
 
 
-def demo(name, args, batch, workers, n_train, steps, data, tmp, env=None):
-    """One dual_mlp.py or mlp.py run; its own --json summary has the figures."""
+def summary_of(args, workers, tmp, env=None):
+    """Run dual_mlp.py (or mlp.py, for one worker) with ``args`` to completion
+    and return its --json summary."""
     path = os.path.join(tmp, "run.json")
     script = "mlp.py" if workers == 1 else "dual_mlp.py"
-    epochs = epochs_for(steps, n_train // batch // workers)
-    run([sys.executable, script, *args, "--dataset", data, "--batch-size", str(batch),
-         "--epochs", str(epochs), "--json", path], env)
+    run([sys.executable, script, *args, "--json", path], env)
     with open(path) as f:
-        s = json.load(f)
+        return json.load(f)
+
+
+def demo(name, args, batch, workers, n_train, steps, data, tmp, env=None):
+    """One dual_mlp.py or mlp.py run; its own --json summary has the figures."""
+    epochs = epochs_for(steps, n_train // batch // workers)
+    s = summary_of([*args, "--dataset", data, "--batch-size", str(batch), "--epochs",
+                    str(epochs)], workers, tmp, env)
     us = s["step_us"]["step"]
     figure = dict(system=name, batch=batch, gpus=workers, samples_per_s=s["samples_per_s"],
                   step_us=us, steps=s["epochs_run"] * s["steps_per_epoch"],

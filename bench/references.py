@@ -173,9 +173,10 @@ def rates(trainer_for, batches, steps):
 
 
 def curve(trainer, epochs, valid, test):
-    """The learning curve, as ``dual_mlp.py --json`` records it: after each
-    epoch the training seconds so far (warm-up, evaluation not counted), the
-    validation error, and the test error of the best-validation replica."""
+    """The learning curve, as ``dual_mlp.py --json`` records it (``curve`` and
+    ``steps_per_epoch``): after each epoch the training seconds so far
+    (warm-up, evaluation not counted), the validation error, and the test
+    error of the best-validation replica."""
     trainer.run_steps(WARM_UP)  # compiles and initialises; then back to the start
     trainer.synchronize()
     trainer.reset()
@@ -190,7 +191,7 @@ def curve(trainer, epochs, valid, test):
             best, test_error = validation_error, trainer.error(*test)
         points.append(dict(epoch=epoch, train_s=train_s, validation_error=validation_error,
                            test_error=test_error))
-    return points
+    return dict(curve=points, steps_per_epoch=trainer.steps_per_epoch)
 
 
 def job(args, data, rank=0, world=1):

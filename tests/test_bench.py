@@ -90,7 +90,7 @@ def test_jax_reference_trains_the_tutorial_model_like_mlp_py(tmp_path):
     out = script("bench/references.py", "jax", "--curve", "--dataset", SHIPPED, "--batches", 100,
                  "--epochs", 2, "--learning-rate", 0.1, "--l2", 0)
     assert out.returncode == 0, out.stderr
-    reference = json.loads(out.stdout.strip().splitlines()[-1])
+    reference = json.loads(out.stdout.strip().splitlines()[-1])["curve"]
     out = script("mlp.py", "--batch-size", 100, "--epochs", 2, "--learning-rate", 0.1, "--l2", 0,
                  "--json", tmp_path / "m.json")
     assert out.returncode == 0, out.stderr
