@@ -25,6 +25,26 @@ def machine():
                 driver=ask("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"))
 
 
+def busy_gpus():
+    """The processes that hold a GPU now (nvidia-smi; none without it)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+    except OSError:
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def refuse_busy_gpus():
+    """Stop before measuring beside another process on the GPUs: its figures
+    would not be this system's (seen: a test run left training made every
+    reference several times slower)."""
+    busy = busy_gpus()
+    if busy:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: error: the GPUs are busy (pid, name, memory: {'; '.join(busy)}): "
+                 "stop those processes first; figures measured beside them would be wrong")
+
+
 def record(name, out_dir, **results):
     """Write ``<out_dir>/<name>.json`` with the date, machine and command line."""
     os.makedirs(out_dir, exist_ok=True)

@@ -38,7 +38,7 @@ import tempfile
 
 import numpy as np
 
-from common import RESULTS, ROOT, record, tables_from
+from common import RESULTS, ROOT, record, refuse_busy_gpus, tables_from
 
 sys.path.insert(0, ROOT)
 import datasets  # noqa: E402
@@ -76,6 +76,7 @@ class Failed(Exception):
 def run(cmd, env=None, optional=False):
     """Run a command to completion; its failure stops the benchmark, or, for
     an ``optional`` one, raises Failed with the last line of its error output."""
+    refuse_busy_gpus()
     print("$", shlex.join(cmd), flush=True)
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, **(env or {})))

@@ -30,7 +30,7 @@ import tempfile
 
 import numpy as np
 
-from common import RESULTS, ROOT, record, tables_from
+from common import RESULTS, ROOT, record, refuse_busy_gpus, tables_from
 
 sys.path.insert(0, ROOT)  # first: `import exchange` is the project's module, not this script
 
@@ -250,6 +250,7 @@ def main():
         return tables_from(args.tables_from, table)
     if not 0 < args.max_mb <= 1024 or math.log2(args.max_mb) % 1:
         parser.error("--max-mb must be a power of two, at most 1024")
+    refuse_busy_gpus()
     two, one = run_workers(args)
     limit, source = link_limit(args.gpus[0], args.link_gbps)
     refuse(two, limit, "two processes")

@@ -7,6 +7,7 @@ outcome) and gpu_checks.log (pytest's own output)."""
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -23,6 +24,9 @@ def main():
               "no:cacheprovider", "-o", "timeout=240"] + (["-k", args.k] if args.k else [])
     os.makedirs(args.out, exist_ok=True)
     log_path = os.path.join(args.out, "gpu_checks.log")
+    # A time limit's SIGTERM reaches pytest too (one process group): it stops
+    # its runs and exits, and what ran so far is still recorded here.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     with open(log_path, "w") as f:  # as it runs: a run cut short keeps its log
         out = subprocess.run(pytest + ["tests/test_gpu.py"], cwd=ROOT, stdout=f,
                              stderr=subprocess.STDOUT, text=True)

@@ -1,5 +1,7 @@
 """Shared helpers: the tests run the real scripts as real processes."""
+import atexit
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,10 +28,36 @@ def dual(*args, **kw):
 
 def start_dual(*args, env=None, cwd=ROOT):
     """Start dual_mlp.py in its own process group, without waiting."""
-    return subprocess.Popen([sys.executable, str(ROOT / "dual_mlp.py"), *map(str, args)],
+    proc = subprocess.Popen([sys.executable, str(ROOT / "dual_mlp.py"), *map(str, args)],
                             cwd=cwd, env=dict(os.environ, **(env or {})), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
+    STARTED.append(proc)
+    return proc
+
+
+# Runs started in their own process group outlive a pytest that is killed
+# (a device call's time limit): one left training for 100000 epochs shared
+# the GPUs with the next benchmark and made its figures wrong.
+STARTED = []
+
+
+def stop_started(*_):
+    for proc in STARTED:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def stop_started_and_exit(signum, _frame):
+    stop_started()
+    sys.exit(128 + signum)
+
+
+atexit.register(stop_started)
+signal.signal(signal.SIGTERM, stop_started_and_exit)
 
 
 def workers_of(launcher):

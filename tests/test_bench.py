@@ -27,6 +27,23 @@ def test_compare_stops_at_a_failing_run_without_figures(tmp_path):
     assert not (tmp_path / "compare_cpu.json").exists()
 
 
+def test_compare_refuses_to_measure_beside_another_process_on_the_gpus(tmp_path):
+    """A test run left training on the GPUs once made every reference several
+    times slower; the benchmark must stop instead of recording that."""
+    import os
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho '4242, python, 1200 MiB'\n")
+    fake.chmod(0o755)
+    out = script("bench/compare.py", "--cpu", "--out", tmp_path,
+                 env={"PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"})
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        "compare.py: error: the GPUs are busy (pid, name, memory: 4242, python, 1200 MiB): stop "
+        "those processes first; figures measured beside them would be wrong"]
+    assert not (tmp_path / "compare_cpu.json").exists()
+
+
 def load_exchange_bench():
     """bench/exchange.py as a module (its name is taken by the project's exchange.py)."""
     import importlib.util
