@@ -16,11 +16,15 @@ at 500, 5000 and 20000 examples per GPU per step, for:
 * JAX's own data parallelism: one ``jit`` over a mesh of both GPUs.
 
 The demo's runs report their own throughput (``--json``); the references
-are timed by ``bench/references.py``.  So that a large batch still gives
-many steps between the per-epoch validations, the training set is tiled
-(``--repeat`` times its 50,000 images; validation and test stay as they are).
-Every run is warmed up and timed over at least ``--steps`` steps.  A run
-that fails stops the benchmark with its error: no figures from a failed run.
+are timed by ``bench/references.py``.  The demo validates after every epoch,
+as the tutorial does, and there the host waits for the device: the device
+then idles while the host queues the next epoch's first step.  The
+references validate nothing, so to time the same thing, the training set is
+tiled (validation and test stay as they are) until every run has at least
+``--epoch-steps`` steps per epoch at its batch size, where that idle time
+no longer shows.  Every run is warmed up and timed over at least ``--steps``
+steps.  A run that fails, or GPUs that another process is using, stop the
+benchmark with an error: no figures from a failed or a shared run.
 
 Writes ``compare.json`` (command, date, machine, versions, every figure) and
 ``compare.png`` into ``--out``, and, with ``--tables``, regenerates the
@@ -35,6 +39,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -69,6 +74,25 @@ def tile(dataset, folder, repeat):
     return folder, len(tx) * repeat
 
 
+class Tiles:
+    """``tiles(global_batch) -> (data set, training images)``: the training
+    set tiled often enough for ``epoch_steps`` steps of ``global_batch``
+    images per epoch, each tiling written once."""
+
+    def __init__(self, dataset, folder, epoch_steps):
+        self.dataset, self.folder, self.epoch_steps = dataset, folder, epoch_steps
+        self.n_base = len(datasets.read(dataset)[0][0])
+        self.made = {}
+
+    def __call__(self, global_batch):
+        repeat = max(1, math.ceil(self.epoch_steps * global_batch / self.n_base))
+        if repeat not in self.made:
+            folder = os.path.join(self.folder, f"x{repeat}")
+            os.makedirs(folder)
+            self.made[repeat] = tile(self.dataset, folder, repeat)
+        return self.made[repeat]
+
+
 class Failed(Exception):
     """An optional system that did not run here; the message says why."""
 
@@ -78,8 +102,10 @@ def run(cmd, env=None, optional=False):
     an ``optional`` one, raises Failed with the last line of its error output."""
     refuse_busy_gpus()
     print("$", shlex.join(cmd), flush=True)
+    started = time.perf_counter()
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, **(env or {})))
+    out.wall_s = time.perf_counter() - started  # start-up and compile included
     if out.returncode != 0:
         if optional:
             raise Failed((out.stderr.strip().splitlines() or ["no error output"])[-1])
@@ -94,32 +120,36 @@ def epochs_for(steps, steps_per_epoch):
 
 def summary_of(args, workers, tmp, env=None):
     """Run dual_mlp.py (or mlp.py, for one worker) with ``args`` to completion
-    and return its --json summary."""
+    and return its --json summary, with the run's wall time as ``wall_s``."""
     path = os.path.join(tmp, "run.json")
     script = "mlp.py" if workers == 1 else "dual_mlp.py"
-    run([sys.executable, script, *args, "--json", path], env)
+    out = run([sys.executable, script, *args, "--json", path], env)
     with open(path) as f:
-        return json.load(f)
+        return dict(json.load(f), wall_s=out.wall_s)
 
 
-def demo(name, args, batch, workers, n_train, steps, data, tmp, env=None):
+def demo(name, args, batch, workers, steps, tiles, tmp, env=None):
     """One dual_mlp.py or mlp.py run; its own --json summary has the figures."""
+    data, n_train = tiles(batch * workers)
     epochs = epochs_for(steps, n_train // batch // workers)
     s = summary_of([*args, "--dataset", data, "--batch-size", str(batch), "--epochs",
                     str(epochs)], workers, tmp, env)
     us = s["step_us"]["step"]
     figure = dict(system=name, batch=batch, gpus=workers, samples_per_s=s["samples_per_s"],
                   step_us=us, steps=s["epochs_run"] * s["steps_per_epoch"],
+                  steps_per_epoch=s["steps_per_epoch"], wall_s=s["wall_s"],
                   validation_error=s["validation_errors"][-1])
     # how often XLA ran the exchange's Python callback; the host's time per step call
     figure.update({k: s[k] for k in ("exchange_callbacks", "host_us_per_call",
                                      "max_replica_diff") if k in s})
     print(f"  {name:28s} B={batch:6d}: {figure['samples_per_s'] / 1e6:8.2f} M samples/s "
-          f"{us:8.0f} us/step", flush=True)
+          f"{us:8.0f} us/step  ({s['wall_s']:.0f} s to run)", flush=True)
     return figure
 
 
 def reference(system, label, batches, steps, data, env=None):
+    """A reference system at every batch size, cycling through ``data``
+    (it validates nothing, so no tiling changes its figures)."""
     out = run([sys.executable, "bench/references.py", system, "--dataset", data, "--batches",
                *map(str, batches), "--steps", str(steps)], env, optional=system in OPTIONAL)
     rates = json.loads(out.stdout.strip().splitlines()[-1])
@@ -127,19 +157,21 @@ def reference(system, label, batches, steps, data, env=None):
     for batch in batches:
         r = rates[str(batch)]
         figures.append(dict(system=label, batch=batch, gpus=r["gpus"], steps=steps,
-                            samples_per_s=r["samples_per_s"], step_us=r["step_us"]))
+                            samples_per_s=r["samples_per_s"], step_us=r["step_us"],
+                            wall_s=out.wall_s))
         print(f"  {label:28s} B={batch:6d}: {r['samples_per_s'] / 1e6:8.2f} M samples/s "
               f"{r['step_us']:8.0f} us/step", flush=True)
     return figures
 
 
-def gpu_runs(args, data, n_train, tmp, figures):
+def gpu_runs(args, tiles, tmp, figures):
     """Every system at every batch size, on GPUs 0 and 1: the references
     first, then the demo at 5000, 20000 and 500 per GPU, so that a run cut
     short still holds the comparisons that matter most."""
     for system, label in REFERENCES:
         try:
-            for figure in reference(system, label, args.batches, args.steps, data):
+            for figure in reference(system, label, args.batches, args.steps,
+                                    tiles(2 * max(args.batches))[0]):
                 figures.add(figure)
         except Failed as e:
             print(f"  {label}: did not run here: {e}", flush=True)
@@ -155,13 +187,13 @@ def gpu_runs(args, data, n_train, tmp, figures):
                      for avg in ("pycuda", "cpu")]
             runs += [("demo 0 0 (one GPU, two workers)", ["0", "0"], 2, None)]
         for name, cmd, workers, env in runs:
-            figures.add(demo(name, cmd, batch, workers, n_train, args.steps, data, tmp, env))
+            figures.add(demo(name, cmd, batch, workers, args.steps, tiles, tmp, env))
 
 
-def cpu_runs(args, data, n_train, tmp, figures):
+def cpu_runs(args, tiles, tmp, figures):
     """CI's subset: the demo on two CPU workers against the tutorial's one process."""
-    figures.add(demo("one CPU process (mlp.py)", [], 500, 1, n_train, args.steps, data, tmp))
-    figures.add(demo("demo cpu cpu", ["cpu", "cpu"], 500, 2, n_train, args.steps, data, tmp))
+    figures.add(demo("one CPU process (mlp.py)", [], 500, 1, args.steps, tiles, tmp))
+    figures.add(demo("demo cpu cpu", ["cpu", "cpu"], 500, 2, args.steps, tiles, tmp))
 
 
 class Figures(list):
@@ -257,7 +289,9 @@ def main():
     parser.add_argument("--cpu", action="store_true", help="the small CPU subset (CI)")
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES, help="per GPU")
     parser.add_argument("--steps", type=int, default=200, help="timed steps, at least")
-    parser.add_argument("--repeat", type=int, default=8, help="tiling of the training set")
+    parser.add_argument("--epoch-steps", type=int, default=40,
+                        help="steps per epoch, at least: the training set is tiled to give "
+                             "them (default: %(default)s)")
     parser.add_argument("--out", default=RESULTS, help="folder for compare.json and .png")
     parser.add_argument("--tables", action="store_true",
                         help="then regenerate the README tables from the JSON written")
@@ -267,7 +301,7 @@ def main():
     if args.tables_from:
         return tables_from(args.tables_from, table)
     if args.cpu:
-        args.repeat, args.steps = 1, min(args.steps, 12)
+        args.epoch_steps, args.steps = 1, min(args.steps, 12)
     versions = {}
     for module in ("numpy", "pytensor", "jax", "torch", "zmq", "pycuda"):
         try:
@@ -276,14 +310,15 @@ def main():
             pass
     name = "compare_cpu" if args.cpu else "compare"
     figures = Figures(name, args.out, device=device_name(args.cpu), dataset=args.dataset,
-                      repeat=args.repeat, min_steps=args.steps, versions=versions)
+                      epoch_steps=args.epoch_steps, min_steps=args.steps, versions=versions)
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        os.makedirs(os.path.join(tmp, "data"))
         try:
-            data, n_train = tile(args.dataset, os.path.join(tmp, "data"), args.repeat)
+            tiles = Tiles(args.dataset, tmp, args.epoch_steps)
         except datasets.DatasetError as e:
             sys.exit(f"compare.py: error: {e}")
-        (cpu_runs if args.cpu else gpu_runs)(args, data, n_train, tmp, figures)
+        (cpu_runs if args.cpu else gpu_runs)(args, tiles, tmp, figures)
+    figures.meta["wall_s"] = time.perf_counter() - started  # the whole benchmark
     path = figures.write(complete=True)
     plot(figures, os.path.join(args.out, f"{name}.png"))
     with open(path) as f:

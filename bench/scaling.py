@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 from common import RESULTS, ROOT, record
-from compare import demo, reference, tile
+from compare import Tiles, demo, reference
 
 sys.path.insert(0, ROOT)
 import datasets  # noqa: E402
@@ -50,22 +50,23 @@ def runs_for(n, cpu):
     return runs
 
 
-def measure(args, data, n_train, tmp):
+def measure(args, tiles, tmp):
     figures, checks = [], {}
     for n in args.workers:
         visible = ",".join(str(i) for i in range(n))
         jax_env = ({"JAX_PLATFORMS": "cpu",
                     "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
                    if args.cpu else {"CUDA_VISIBLE_DEVICES": visible})
-        for f in reference("jax", JAX, args.batches, args.steps, data, jax_env):
+        for f in reference("jax", JAX, args.batches, args.steps, tiles(n * max(args.batches))[0],
+                           jax_env):
             figures.append(dict(f, workers=n))
         for batch in args.batches:
             for system, cmd, env in runs_for(n, args.cpu):
-                figures.append(dict(demo(system, cmd, batch, n, n_train, args.steps, data, tmp,
-                                         env), workers=n))
+                figures.append(dict(demo(system, cmd, batch, n, args.steps, tiles, tmp, env),
+                                    workers=n))
         if n > 1:  # identical replicas: every step's weights compared across all workers
             check = runs_for(n, args.cpu)[0][1] + ["--check"]
-            s = demo(f"--check, {n} workers", check, args.batches[0], n, n_train, 1, data, tmp)
+            s = demo(f"--check, {n} workers", check, args.batches[0], n, 1, tiles, tmp)
             checks[n] = s["max_replica_diff"]
     return figures, checks
 
@@ -105,11 +106,13 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[5000, 20000],
                         help="per worker (default: 5000 20000)")
     parser.add_argument("--steps", type=int, default=200, help="timed steps, at least")
-    parser.add_argument("--repeat", type=int, default=8, help="tiling of the training set")
+    parser.add_argument("--epoch-steps", type=int, default=40,
+                        help="steps per epoch, at least: the training set is tiled to give "
+                             "them, as in compare.py (default: %(default)s)")
     parser.add_argument("--out", default=RESULTS, help="folder for scaling.json and .png")
     args = parser.parse_args()
     if args.cpu:
-        args.workers, args.batches, args.repeat, args.steps = [1, 2, 3], [100], 1, 12
+        args.workers, args.batches, args.epoch_steps, args.steps = [1, 2, 3], [100], 1, 12
     else:
         gpus = gpu_count()
         args.workers = [n for n in (1, 2, 4, 8) if n <= gpus]
@@ -117,11 +120,9 @@ def main():
             parser.error("no GPU here (nvidia-smi lists none); --cpu runs CPU workers")
     name = "scaling_cpu" if args.cpu else "scaling"
     with tempfile.TemporaryDirectory() as tmp:
-        os.makedirs(os.path.join(tmp, "data"))
-        data, n_train = tile(args.dataset, os.path.join(tmp, "data"), args.repeat)
-        figures, checks = measure(args, data, n_train, tmp)
+        figures, checks = measure(args, Tiles(args.dataset, tmp, args.epoch_steps), tmp)
     record(name, args.out, workers=args.workers, batches=args.batches, dataset=args.dataset,
-           repeat=args.repeat, min_steps=args.steps, max_replica_diff=checks,
+           epoch_steps=args.epoch_steps, min_steps=args.steps, max_replica_diff=checks,
            figures=efficiency(figures))
     plot(figures, os.path.join(args.out, f"{name}.png"))
     for f in figures:

@@ -19,6 +19,25 @@ def test_compare_cpu_subset_measures_both_systems_and_writes_its_files(tmp_path)
     assert "| demo cpu cpu | 2 |" in out.stdout
 
 
+def test_the_training_set_is_tiled_for_enough_steps_per_epoch_at_every_batch(tmp_path):
+    """The demo drains its queue at every epoch's validation; the references
+    never do.  Each batch size gets a tiling with at least the steps asked
+    for per epoch, written once however often it is asked for."""
+    import sys
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "bench"))
+    import compare
+    import datasets
+    tiles = compare.Tiles(SHIPPED, str(tmp_path), 4)
+    n = len(datasets.read(SHIPPED)[0][0])
+    for global_batch in (n // 6, n // 2, n // 2 + 100, n):
+        path, n_train = tiles(global_batch)
+        assert n_train // global_batch >= 4
+        assert len(datasets.read(path)[0][0]) == n_train
+    assert tiles(n // 6)[1] == n and tiles(n // 2 - 100) == tiles(n // 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x1", "x2", "x3", "x4"]
+
+
 def test_compare_stops_at_a_failing_run_without_figures(tmp_path):
     out = script("bench/compare.py", "--cpu", "--out", tmp_path, "--dataset", tmp_path / "none")
     assert out.returncode != 0
