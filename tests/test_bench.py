@@ -172,3 +172,17 @@ def test_scaling_cpu_measures_one_to_three_workers_with_identical_replicas(tmp_p
                                        f["samples_per_s"] / (n * seen[system, 1]["samples_per_s"]))
     assert ("the demo, peer to peer", 2) in seen
     assert (tmp_path / "scaling_cpu.png").stat().st_size > 10000
+
+
+def test_step_profile_cpu_times_both_steps_and_names_their_kernels(tmp_path):
+    out = script("bench/step_profile.py", "--cpu", "--out", tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "step_profile_cpu.json").read_text())
+    assert result["command"].startswith("python bench/step_profile.py") and result["batch"] == 500
+    assert set(result["systems"]) == {"PyTensor's step (the demo's)", "hand-written JAX step"}
+    for system in result["systems"].values():
+        assert system["step_us"] > 0
+        # the step's matrix products are among its kernels, the costliest first
+        assert any("dot" in k["kernel"] or "fusion" in k["kernel"] for k in system["kernels"])
+        times = [k["us_per_step"] for k in system["kernels"]]
+        assert times == sorted(times, reverse=True) and times[-1] > 0

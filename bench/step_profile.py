@@ -1,0 +1,131 @@
+"""Where one training step's device time goes: PyTensor's step beside the hand-written JAX step.
+
+    python bench/step_profile.py --dataset /usr/share/datasets/fashion-mnist   # GPU 0
+    python bench/step_profile.py --cpu                                          # CI's subset
+
+On one device, the same model and batch (default 20000): the training step
+that PyTensor's JAX backend builds from the tutorial's graph (as the demo
+runs it: jitted, weights donated, the minibatch index kept on the device) and
+the hand-written JAX step of ``bench/references.py``.  Each is timed over
+``--steps`` steps with the device synchronised only at both ends, then 50
+steps of each are profiled (``jax.profiler``) and the device's time per
+step summed by kernel.  Writes ``step_profile.json`` (command, date,
+machine, both timings, the kernels of each).
+"""
+import argparse
+import collections
+import functools
+import glob
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from common import RESULTS, ROOT, record
+
+sys.path.insert(0, ROOT)
+import datasets  # noqa: E402
+
+PROFILED = 50
+
+
+def pytensor_step(dataset, batch, device):
+    """``(step, state)``: the tutorial's graph compiled by PyTensor, as
+    ``dual_mlp.py --sync gpu`` calls it (less the exchange)."""
+    import jax
+    import jax.numpy as jnp
+    import dual_mlp
+    import logistic_sgd
+    import mlp
+    model = mlp.Model(logistic_sgd.load_data(dataset, put=device.put), batch, mode="JAX")
+    train, data = dual_mlp.jax_step(model)
+    n = model.n_train_batches
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(counter, params):
+        return counter + 1, train(counter % n, data, params)[1]
+    # copies: the model keeps its own weights
+    return step, (device.put(np.int32(0)), [jnp.array(dual_mlp.storage(p)) for p in model.params])
+
+
+def time_steps(run, synchronize, steps):
+    run(20)
+    synchronize()
+    started = time.perf_counter()
+    run(steps)
+    synchronize()
+    return 1e6 * (time.perf_counter() - started) / steps
+
+
+def kernels(run, synchronize, cpu):
+    """Device time per step by kernel name, from a profile of PROFILED steps
+    (on a CPU: XLA's own threads, where its kernels run)."""
+    import jax
+    from jax.profiler import ProfileData
+    with tempfile.TemporaryDirectory() as folder:
+        synchronize()
+        with jax.profiler.trace(folder):
+            run(PROFILED)
+            synchronize()
+        (path,) = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+        profile = ProfileData.from_file(path)
+    per_step = collections.Counter()
+    for plane in profile.planes:
+        for line in plane.lines:
+            if (line.name.startswith("tf_XLA") if cpu else
+                    plane.name.startswith("/device:GPU") and line.name.startswith("Stream")):
+                for event in line.events:
+                    if not event.name.startswith(("ThunkExecutor", "SlinkyThreadPool")):
+                        per_step[event.name] += event.duration_ns / 1e3 / PROFILED
+    return [dict(kernel=k, us_per_step=v) for k, v in per_step.most_common(25)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", default=datasets.SHIPPED,
+                        help="training data (default: the shipped digits)")
+    parser.add_argument("--batch", type=int, default=20000, help="examples per step")
+    parser.add_argument("--steps", type=int, default=300, help="timed steps")
+    parser.add_argument("--cpu", action="store_true", help="on the CPU, batch 500 (CI)")
+    parser.add_argument("--out", default=RESULTS, help="folder for step_profile.json")
+    args = parser.parse_args()
+    if args.cpu:
+        args.batch, args.steps = 500, min(args.steps, 20)
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    else:
+        os.environ.update(CUDA_VISIBLE_DEVICES="0", JAX_PLATFORMS="cuda")
+    import theano_flags  # noqa: F401  (float32, as the scripts run)
+    import jax
+    import references
+    from exchange import JaxDevice
+    device = JaxDevice()
+
+    step, state = pytensor_step(args.dataset, args.batch, device)
+    holder = [state]
+
+    def run_pytensor(n):
+        for _ in range(n):
+            holder[0] = step(*holder[0])
+
+    def sync_pytensor():
+        jax.block_until_ready(holder[0])
+
+    (x, y), _, _ = datasets.read(args.dataset)
+    reference = references.jax_trainer(x, y, args.batch, references.DEFAULTS)  # on this device
+    systems = {"PyTensor's step (the demo's)": (run_pytensor, sync_pytensor),
+               "hand-written JAX step": (reference.run_steps, reference.synchronize)}
+    results = {}
+    for name, (run, synchronize) in systems.items():
+        us = time_steps(run, synchronize, args.steps)
+        results[name] = dict(step_us=us, kernels=kernels(run, synchronize, args.cpu))
+        print(f"{name:30s} {us:8.1f} us/step; device time by kernel:")
+        for k in results[name]["kernels"][:8]:
+            print(f"    {k['us_per_step']:8.1f} us  {k['kernel'][:90]}")
+    record("step_profile_cpu" if args.cpu else "step_profile", args.out, batch=args.batch,
+           steps=args.steps, device=device.description, systems=results)
+
+
+if __name__ == "__main__":
+    main()
