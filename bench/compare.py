@@ -21,8 +21,9 @@ as the tutorial does, and there the host waits for the device: the device
 then idles while the host queues the next epoch's first step.  The
 references validate nothing, so to time the same thing, the training set is
 tiled (validation and test stay as they are) until every run has at least
-``--epoch-steps`` steps per epoch at its batch size, where that idle time
-no longer shows.  Every run is warmed up and timed over at least ``--steps``
+``--epoch-steps`` steps per epoch at its batch size (at the largest batch,
+as many as 32 copies of the training set give), where that idle time
+hardly shows.  Every run is warmed up and timed over at least ``--steps``
 steps.  A run that fails, or GPUs that another process is using, stop the
 benchmark with an error: no figures from a failed or a shared run.
 
@@ -74,18 +75,23 @@ def tile(dataset, folder, repeat):
     return folder, len(tx) * repeat
 
 
+# Each worker holds the whole training set: 32 x 50,000 images are 5 GB of float32
+MAX_REPEAT = 32
+
+
 class Tiles:
     """``tiles(global_batch) -> (data set, training images)``: the training
     set tiled often enough for ``epoch_steps`` steps of ``global_batch``
-    images per epoch, each tiling written once."""
+    images per epoch, at most ``max_repeat`` times, each tiling written once."""
 
-    def __init__(self, dataset, folder, epoch_steps):
+    def __init__(self, dataset, folder, epoch_steps, max_repeat=MAX_REPEAT):
         self.dataset, self.folder, self.epoch_steps = dataset, folder, epoch_steps
-        self.n_base = len(datasets.read(dataset)[0][0])
+        self.n_base, self.max_repeat = len(datasets.read(dataset)[0][0]), max_repeat
         self.made = {}
 
     def __call__(self, global_batch):
-        repeat = max(1, math.ceil(self.epoch_steps * global_batch / self.n_base))
+        repeat = min(self.max_repeat,
+                     max(1, math.ceil(self.epoch_steps * global_batch / self.n_base)))
         if repeat not in self.made:
             folder = os.path.join(self.folder, f"x{repeat}")
             os.makedirs(folder)
@@ -289,9 +295,9 @@ def main():
     parser.add_argument("--cpu", action="store_true", help="the small CPU subset (CI)")
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES, help="per GPU")
     parser.add_argument("--steps", type=int, default=200, help="timed steps, at least")
-    parser.add_argument("--epoch-steps", type=int, default=40,
+    parser.add_argument("--epoch-steps", type=int, default=100,
                         help="steps per epoch, at least: the training set is tiled to give "
-                             "them (default: %(default)s)")
+                             f"them, at most {MAX_REPEAT} times over (default: %(default)s)")
     parser.add_argument("--out", default=RESULTS, help="folder for compare.json and .png")
     parser.add_argument("--tables", action="store_true",
                         help="then regenerate the README tables from the JSON written")

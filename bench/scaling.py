@@ -106,7 +106,7 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[5000, 20000],
                         help="per worker (default: 5000 20000)")
     parser.add_argument("--steps", type=int, default=200, help="timed steps, at least")
-    parser.add_argument("--epoch-steps", type=int, default=40,
+    parser.add_argument("--epoch-steps", type=int, default=100,
                         help="steps per epoch, at least: the training set is tiled to give "
                              "them, as in compare.py (default: %(default)s)")
     parser.add_argument("--out", default=RESULTS, help="folder for scaling.json and .png")

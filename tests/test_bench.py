@@ -36,6 +36,9 @@ def test_the_training_set_is_tiled_for_enough_steps_per_epoch_at_every_batch(tmp
         assert len(datasets.read(path)[0][0]) == n_train
     assert tiles(n // 6)[1] == n and tiles(n // 2 - 100) == tiles(n // 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x1", "x2", "x3", "x4"]
+    # a batch that would need more copies than memory allows gets the most allowed
+    capped = compare.Tiles(SHIPPED, str(tmp_path / "x4"), 4, max_repeat=3)
+    assert capped(n)[1] == 3 * n
 
 
 def test_compare_stops_at_a_failing_run_without_figures(tmp_path):
