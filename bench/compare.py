@@ -172,9 +172,10 @@ def reference(system, label, batches, steps, data, env=None):
 
 def gpu_runs(args, tiles, tmp, figures):
     """Every system at every batch size, on GPUs 0 and 1: the references
-    first, then the demo at 5000, 20000 and 500 per GPU, so that a run cut
-    short still holds the comparisons that matter most."""
-    for system, label in REFERENCES:
+    first, then the demo at 5000, 20000 and 500 per GPU, then the optional
+    references (slow to compile), so that a run cut short still holds the
+    comparisons that matter most."""
+    def add_reference(system, label):
         try:
             for figure in reference(system, label, args.batches, args.steps,
                                     tiles(2 * max(args.batches))[0]):
@@ -182,6 +183,10 @@ def gpu_runs(args, tiles, tmp, figures):
         except Failed as e:
             print(f"  {label}: did not run here: {e}", flush=True)
             figures.meta.setdefault("not_run", {})[label] = str(e)
+
+    for system, label in REFERENCES:
+        if system not in OPTIONAL:
+            add_reference(system, label)
     for batch in sorted(args.batches, key=lambda b: (b != 5000, -b)):
         runs = [("one GPU (mlp.py)", [], 1, {"THEANO_FLAGS": "device=cuda0"}),
                 ("demo 0 1 --sync gpu", ["0", "1", "--sync", "gpu"], 2, None),
@@ -194,6 +199,9 @@ def gpu_runs(args, tiles, tmp, figures):
             runs += [("demo 0 0 (one GPU, two workers)", ["0", "0"], 2, None)]
         for name, cmd, workers, env in runs:
             figures.add(demo(name, cmd, batch, workers, args.steps, tiles, tmp, env))
+    for system, label in REFERENCES:
+        if system in OPTIONAL:
+            add_reference(system, label)
 
 
 def cpu_runs(args, tiles, tmp, figures):
