@@ -103,14 +103,14 @@ def main():
     device = JaxDevice()
 
     step, state = pytensor_step(args.dataset, args.batch, device)
-    holder = [state]
 
     def run_pytensor(n):
+        nonlocal state
         for _ in range(n):
-            holder[0] = step(*holder[0])
+            state = step(*state)
 
     def sync_pytensor():
-        jax.block_until_ready(holder[0])
+        jax.block_until_ready(state)
 
     (x, y), _, _ = datasets.read(args.dataset)
     reference = references.jax_trainer(x, y, args.batch, references.DEFAULTS)  # on this device
