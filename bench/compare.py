@@ -56,11 +56,12 @@ REFERENCES = (("torch", "PyTorch eager, one GPU"), ("ddp", "PyTorch DDP, two GPU
 OPTIONAL = {"torch-compile"}  # measured where it runs; where it does not, the run says why
 
 
-def tile(dataset, folder, repeat):
-    """A data set whose training part is ``dataset``'s, ``repeat`` times over:
-    unpacked IDX files (quick to write and read), or, where the validation
-    split is not IDX's last 10,000 images (the shipped digits), a pickle."""
-    (tx, ty), valid, test = datasets.read(dataset)
+def tile(splits, folder, repeat):
+    """A data set whose training part is ``splits``' (as ``datasets.read``
+    returns them), ``repeat`` times over: unpacked IDX files (quick to write
+    and read), or, where the validation split is not IDX's last 10,000
+    images (the shipped digits), a pickle."""
+    (tx, ty), valid, test = splits
     if len(valid[0]) != datasets.N_VALID:
         path = os.path.join(folder, "tiled.pkl.gz")
         datasets.write_pickle(((np.concatenate([tx] * repeat), np.concatenate([ty] * repeat)),
@@ -85,8 +86,8 @@ class Tiles:
     images per epoch, at most ``max_repeat`` times, each tiling written once."""
 
     def __init__(self, dataset, folder, epoch_steps, max_repeat=MAX_REPEAT):
-        self.dataset, self.folder, self.epoch_steps = dataset, folder, epoch_steps
-        self.n_base, self.max_repeat = len(datasets.read(dataset)[0][0]), max_repeat
+        self.splits, self.folder, self.epoch_steps = datasets.read(dataset), folder, epoch_steps
+        self.n_base, self.max_repeat = len(self.splits[0][0]), max_repeat
         self.made = {}
 
     def __call__(self, global_batch):
@@ -95,7 +96,7 @@ class Tiles:
         if repeat not in self.made:
             folder = os.path.join(self.folder, f"x{repeat}")
             os.makedirs(folder)
-            self.made[repeat] = tile(self.dataset, folder, repeat)
+            self.made[repeat] = tile(self.splits, folder, repeat)
         return self.made[repeat]
 
 

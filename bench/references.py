@@ -155,20 +155,25 @@ def jax_trainer(x, y, batch, hyper):
                    world, n_batches)
 
 
+def step_us(run_steps, synchronize, steps):
+    """Microseconds per step: warmed up, then ``steps`` steps timed with the
+    device synchronised only at both ends."""
+    run_steps(WARM_UP)
+    synchronize()
+    start = time.perf_counter()
+    run_steps(steps)
+    synchronize()
+    return 1e6 * (time.perf_counter() - start) / steps
+
+
 def rates(trainer_for, batches, steps):
-    """{batch: samples/s and us per step}, each batch warmed up, then ``steps``
-    steps timed with the device synchronised only at both ends."""
+    """{batch: samples/s and us per step} (see ``step_us``)."""
     out = {}
     for batch in batches:
         trainer = trainer_for(batch)
-        trainer.run_steps(WARM_UP)
-        trainer.synchronize()
-        start = time.perf_counter()
-        trainer.run_steps(steps)
-        trainer.synchronize()
-        seconds = time.perf_counter() - start
-        out[batch] = dict(samples_per_s=trainer.world * batch * steps / seconds,
-                          step_us=1e6 * seconds / steps, gpus=trainer.world)
+        us = step_us(trainer.run_steps, trainer.synchronize, steps)
+        out[batch] = dict(samples_per_s=1e6 * trainer.world * batch / us, step_us=us,
+                          gpus=trainer.world)
     return out
 
 

@@ -6,8 +6,8 @@
 On one device, the same model and batch (default 20000): the training step
 that PyTensor's JAX backend builds from the tutorial's graph (as the demo
 runs it: jitted, weights donated, the minibatch index kept on the device) and
-the hand-written JAX step of ``bench/references.py``.  Each is timed over
-``--steps`` steps with the device synchronised only at both ends, then 50
+the hand-written JAX step of ``bench/references.py``.  Each is timed as
+``references.py`` times its systems (``references.step_us``), then 50
 steps of each are profiled (``jax.profiler``) and the device's time per
 step summed by kernel.  Writes ``step_profile.json`` (command, date,
 machine, both timings, the kernels of each).
@@ -19,7 +19,6 @@ import glob
 import os
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -48,15 +47,6 @@ def pytensor_step(dataset, batch, device):
         return counter + 1, train(counter % n, data, params)[1]
     # copies: the model keeps its own weights
     return step, (device.put(np.int32(0)), [jnp.array(dual_mlp.storage(p)) for p in model.params])
-
-
-def time_steps(run, synchronize, steps):
-    run(20)
-    synchronize()
-    started = time.perf_counter()
-    run(steps)
-    synchronize()
-    return 1e6 * (time.perf_counter() - started) / steps
 
 
 def kernels(run, synchronize, cpu):
@@ -118,7 +108,7 @@ def main():
                "hand-written JAX step": (reference.run_steps, reference.synchronize)}
     results = {}
     for name, (run, synchronize) in systems.items():
-        us = time_steps(run, synchronize, args.steps)
+        us = references.step_us(run, synchronize, args.steps)
         results[name] = dict(step_us=us, kernels=kernels(run, synchronize, args.cpu))
         print(f"{name:30s} {us:8.1f} us/step; device time by kernel:")
         for k in results[name]["kernels"][:8]:
