@@ -72,11 +72,26 @@ def resolve(path=None):
 
 def read(path):
     """Read and check a data set: a pickle file or a folder of IDX files."""
+    return tuple((as_floats(x), np.asarray(y, np.int32)) for x, y in read_checked(path))
+
+
+def read_checked(path):
+    """The three splits as stored, checked: IDX images are left as unsigned
+    bytes, so that a launcher can check a large data set for the cost of
+    reading it, without the four-times-larger float copy."""
     splits = read_idx_folder(path) if os.path.isdir(path) else read_pickle(path)
     for name, (x, y) in zip(("train", "valid", "test"), splits):
         check_split(path, name, x, y)
-    return tuple((np.asarray(x, np.float32).reshape(len(x), N_PIXELS), np.asarray(y, np.int32))
-                 for x, y in splits)
+    return splits
+
+
+def as_floats(x):
+    """Images as float32 rows; unsigned bytes scaled into [0, 1] in one pass
+    (a cast, then a division, would write the float copy twice)."""
+    x = np.asarray(x).reshape(len(x), N_PIXELS)
+    if x.dtype == np.uint8:
+        return np.divide(x, np.float32(255), dtype=np.float32)
+    return np.asarray(x, np.float32)
 
 
 def check_split(path, name, x, y):
@@ -166,7 +181,7 @@ def read_idx_folder(folder):
     if len(train_x) <= N_VALID:
         raise DatasetError(f"{folder}: {len(train_x)} training images leave none beside "
                            f"the {N_VALID} for validation")
-    as_rows = lambda x: x.reshape(len(x), -1).astype(np.float32) / 255.0  # noqa: E731
+    as_rows = lambda x: x.reshape(len(x), -1)  # noqa: E731
     cut = len(train_x) - N_VALID
     return ((as_rows(train_x[:cut]), train_y[:cut]), (as_rows(train_x[cut:]), train_y[cut:]),
             (as_rows(test_x), test_y))

@@ -168,7 +168,7 @@ def check_request(args, batch_size, shipped_batch_size):
         raise UsageError("the GPU path runs in float32: drop floatX from the flags")
     args.dataset, notice = datasets.resolve(args.dataset)
     notices.append(notice)
-    n_train = len(datasets.read(args.dataset)[0][0])
+    n_train = len(datasets.read_checked(args.dataset)[0][0])
     if args.batch_size is None:
         args.batch_size = shipped_batch_size if args.dataset == datasets.SHIPPED else batch_size
         if args.dataset == datasets.SHIPPED:

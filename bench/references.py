@@ -212,19 +212,21 @@ def job(args, data, rank=0, world=1):
     return rates(trainer_for, args.batches, args.steps)
 
 
-def ddp_worker(rank, world, port, args, data, queue):
+def ddp_worker(rank, world, port, args, queue):
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl", rank=rank, world_size=world)
     try:
-        result = job(args, data, rank, world)
+        # read here: data handed to mp.spawn would be pickled through a pipe,
+        # gigabytes of it for each process
+        result = job(args, datasets.read(args.dataset), rank, world)
         if rank == 0:
             queue.put(result)
     finally:
         dist.destroy_process_group()
 
 
-def ddp(args, data):
+def ddp(args):
     """One process per GPU, DistributedDataParallel over NCCL."""
     import socket
 
@@ -235,7 +237,7 @@ def ddp(args, data):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(ddp_worker, args=(world, port, args, data, queue), nprocs=world)
+    mp.spawn(ddp_worker, args=(world, port, args, queue), nprocs=world)
     return queue.get()
 
 
@@ -253,8 +255,7 @@ def main():
     parser.add_argument("--l2", type=float, default=DEFAULTS.l2)
     args = parser.parse_args()
     args.hyper = Hyper(args.learning_rate, args.l2)
-    data = datasets.read(args.dataset)
-    result = ddp(args, data) if args.system == "ddp" else job(args, data)
+    result = ddp(args) if args.system == "ddp" else job(args, datasets.read(args.dataset))
     print(json.dumps(result))
 
 
