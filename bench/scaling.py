@@ -11,15 +11,18 @@ same N GPUs (``bench/references.py jax`` with those GPUs visible).  Scaling
 efficiency is N-worker samples/s over N times the one-worker figure of the
 same system.  A short ``--check`` run per N confirms identical replicas.  A
 run that fails stops the benchmark.  Writes ``scaling.json`` (command, date,
-machine with ``nvidia-smi topo -m``, every figure) and ``scaling.png``.
+machine with ``nvidia-smi topo -m``, every figure) and ``scaling.png``;
+``--tables-from JSON`` regenerates the tables of README.md and
+bench/README.md from such a file.
 """
 import argparse
+import json
 import os
 import subprocess
 import sys
 import tempfile
 
-from common import RESULTS, ROOT, record
+from common import RESULTS, ROOT, record, tables_from
 from compare import Tiles, demo, reference
 
 sys.path.insert(0, ROOT)
@@ -80,6 +83,25 @@ def efficiency(figures):
     return figures
 
 
+def table(document):
+    """The Markdown table of a scaling.json: samples/s and efficiency by workers."""
+    counts = document["workers"]
+    lines = [f"Measured by `{document['command']}` on {document['date'][:10]}; M samples/s "
+             "(scaling efficiency); largest weight difference between replicas under "
+             "`--check`: " + ", ".join(f"{diff} with {n} workers" for n, diff in
+                                       document["max_replica_diff"].items()) + ".", "",
+             "| system | batch per worker | " + " | ".join(
+                 f"{n} worker{'s' if n > 1 else ''}" for n in counts) + " |",
+             "| --- | --- |" + " --- |" * len(counts)]
+    by = {(f["system"], f["batch"], f["workers"]): f for f in document["figures"]}
+    for system, batch in dict.fromkeys((f["system"], f["batch"]) for f in document["figures"]):
+        cells = [by.get((system, batch, n)) for n in counts]
+        lines.append(f"| {system} | {batch} | " + " | ".join(
+            f"{f['samples_per_s'] / 1e6:.2f} M ({f['efficiency']:.2f})" if f else ""
+            for f in cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(figures, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -110,7 +132,11 @@ def main():
                         help="steps per epoch, at least: the training set is tiled to give "
                              "them, as in compare.py (default: %(default)s)")
     parser.add_argument("--out", default=RESULTS, help="folder for scaling.json and .png")
+    parser.add_argument("--tables-from", metavar="JSON",
+                        help="only regenerate the README tables from this scaling.json")
     args = parser.parse_args()
+    if args.tables_from:
+        return tables_from(args.tables_from, table)
     if args.cpu:
         args.workers, args.batches, args.epoch_steps, args.steps = [1, 2, 3], [100], 1, 12
     else:
@@ -121,14 +147,12 @@ def main():
     name = "scaling_cpu" if args.cpu else "scaling"
     with tempfile.TemporaryDirectory() as tmp:
         figures, checks = measure(args, Tiles(args.dataset, tmp, args.epoch_steps), tmp)
-    record(name, args.out, workers=args.workers, batches=args.batches, dataset=args.dataset,
-           epoch_steps=args.epoch_steps, min_steps=args.steps, max_replica_diff=checks,
-           figures=efficiency(figures))
+    path = record(name, args.out, workers=args.workers, batches=args.batches,
+                  dataset=args.dataset, epoch_steps=args.epoch_steps, min_steps=args.steps,
+                  max_replica_diff=checks, figures=efficiency(figures))
     plot(figures, os.path.join(args.out, f"{name}.png"))
-    for f in figures:
-        eff = "" if f["efficiency"] is None else f", efficiency {f['efficiency']:.2f}"
-        print(f"{f['workers']} x {f['system']:28s} B={f['batch']:6d}: "
-              f"{f['samples_per_s'] / 1e6:7.2f} M samples/s{eff}")
+    with open(path) as f:
+        print(table(json.load(f)))
 
 
 if __name__ == "__main__":

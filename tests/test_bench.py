@@ -175,6 +175,11 @@ def test_scaling_cpu_measures_one_to_three_workers_with_identical_replicas(tmp_p
                                        f["samples_per_s"] / (n * seen[system, 1]["samples_per_s"]))
     assert ("the demo, peer to peer", 2) in seen
     assert (tmp_path / "scaling_cpu.png").stat().st_size > 10000
+    # the table: one row per system, a column per worker count, the peer-to-peer run at 2 only
+    assert "| system | batch per worker | 1 worker | 2 workers | 3 workers |" in out.stdout
+    peer = seen["the demo, peer to peer", 2]
+    assert (f"| the demo, peer to peer | 100 |  | {peer['samples_per_s'] / 1e6:.2f} M "
+            f"({peer['efficiency']:.2f}) |  |") in out.stdout
 
 
 def test_step_profile_cpu_times_both_steps_and_names_their_kernels(tmp_path):
