@@ -26,7 +26,7 @@ import os
 import sys
 import tempfile
 
-from common import RESULTS, ROOT, record, tables_from
+from common import RESULTS, ROOT, parse_args, record
 from compare import run, summary_of
 
 sys.path.insert(0, ROOT)
@@ -136,11 +136,7 @@ def main():
     parser.add_argument("--learning-rate", type=float, default=0.1)
     parser.add_argument("--l2", type=float, default=0.0)
     parser.add_argument("--out", default=RESULTS, help="folder for accuracy.json and .png")
-    parser.add_argument("--tables-from", metavar="JSON",
-                        help="only regenerate the README tables from this accuracy.json")
-    opts = parser.parse_args()
-    if opts.tables_from:
-        return tables_from(opts.tables_from, table)
+    opts = parse_args(parser, table)
     if not 0 < opts.target < 1:
         parser.error("--target is an accuracy between 0 and 1")
     name = "accuracy_cpu" if opts.cpu else "accuracy"

@@ -41,8 +41,9 @@ def refuse_busy_gpus():
     reference several times slower)."""
     busy = busy_gpus()
     if busy:
-        sys.exit(f"{os.path.basename(sys.argv[0])}: error: the GPUs are busy (pid, name, memory: {'; '.join(busy)}): "
-                 "stop those processes first; figures measured beside them would be wrong")
+        sys.exit(f"{os.path.basename(sys.argv[0])}: error: the GPUs are busy (pid, name, "
+                 f"memory: {'; '.join(busy)}): stop those processes first; figures measured "
+                 "beside them would be wrong")
 
 
 def record(name, out_dir, **results):
@@ -93,3 +94,17 @@ def tables_from(path, table):
     name = os.path.basename(sys.argv[0])
     with open(path) as f:
         write_block(name, table(json.load(f)))
+
+
+def parse_args(parser, table):
+    """``parser.parse_args()`` with the option every benchmark has:
+    ``--tables-from JSON`` only regenerates its README tables (``table(document)``)
+    from a results file, and exits."""
+    results = os.path.splitext(os.path.basename(sys.argv[0]))[0] + ".json"
+    parser.add_argument("--tables-from", metavar="JSON",
+                        help=f"only regenerate the README tables from this {results}")
+    args = parser.parse_args()
+    if args.tables_from:
+        tables_from(args.tables_from, table)
+        sys.exit(0)
+    return args

@@ -44,7 +44,7 @@ import time
 
 import numpy as np
 
-from common import RESULTS, ROOT, record, refuse_busy_gpus, tables_from
+from common import RESULTS, ROOT, parse_args, record, refuse_busy_gpus, tables_from
 
 sys.path.insert(0, ROOT)
 import datasets  # noqa: E402
@@ -310,11 +310,7 @@ def main():
     parser.add_argument("--out", default=RESULTS, help="folder for compare.json and .png")
     parser.add_argument("--tables", action="store_true",
                         help="then regenerate the README tables from the JSON written")
-    parser.add_argument("--tables-from", metavar="JSON",
-                        help="only regenerate the README tables from this compare.json")
-    args = parser.parse_args()
-    if args.tables_from:
-        return tables_from(args.tables_from, table)
+    args = parse_args(parser, table)
     if args.cpu:
         args.epoch_steps, args.steps = 1, min(args.steps, 12)
     versions = {}

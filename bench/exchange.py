@@ -30,7 +30,7 @@ import tempfile
 
 import numpy as np
 
-from common import RESULTS, ROOT, record, refuse_busy_gpus, tables_from
+from common import RESULTS, ROOT, parse_args, record, refuse_busy_gpus
 
 sys.path.insert(0, ROOT)  # first: `import exchange` is the project's module, not this script
 
@@ -239,15 +239,11 @@ def main():
                              "(default 450: H200 NVLink, 18 links x 25 GB/s)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per process")
     parser.add_argument("--out", default=RESULTS, help="folder for exchange.json and .png")
-    parser.add_argument("--tables-from", metavar="JSON",
-                        help="only regenerate the README tables from this exchange.json")
     parser.add_argument("--role", choices=("owner", "reader", "single"), help=argparse.SUPPRESS)
     parser.add_argument("--rundir", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_args(parser, table)
     if args.role:
         return {"owner": owner, "reader": reader, "single": single}[args.role](args)
-    if args.tables_from:
-        return tables_from(args.tables_from, table)
     if not 0 < args.max_mb <= 1024 or math.log2(args.max_mb) % 1:
         parser.error("--max-mb must be a power of two, at most 1024")
     refuse_busy_gpus()

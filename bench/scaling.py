@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-from common import RESULTS, ROOT, record, tables_from
+from common import RESULTS, ROOT, parse_args, record
 from compare import Tiles, demo, reference
 
 sys.path.insert(0, ROOT)
@@ -132,11 +132,7 @@ def main():
                         help="steps per epoch, at least: the training set is tiled to give "
                              "them, as in compare.py (default: %(default)s)")
     parser.add_argument("--out", default=RESULTS, help="folder for scaling.json and .png")
-    parser.add_argument("--tables-from", metavar="JSON",
-                        help="only regenerate the README tables from this scaling.json")
-    args = parser.parse_args()
-    if args.tables_from:
-        return tables_from(args.tables_from, table)
+    args = parse_args(parser, table)
     if args.cpu:
         args.workers, args.batches, args.epoch_steps, args.steps = [1, 2, 3], [100], 1, 12
     else:
