@@ -5,6 +5,19 @@ from conftest import script
 from datasets import SHIPPED
 
 
+def bench_module(name):
+    """bench/<name>.py as a module, loaded from its file: bench/exchange.py's
+    name is taken by the project's exchange.py."""
+    import importlib.util
+    import sys
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "bench"))  # for the scripts' own `import common`
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_compare_cpu_subset_measures_both_systems_and_writes_its_files(tmp_path):
     out = script("bench/compare.py", "--cpu", "--out", tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr
@@ -23,11 +36,8 @@ def test_the_training_set_is_tiled_for_enough_steps_per_epoch_at_every_batch(tmp
     """The demo drains its queue at every epoch's validation; the references
     never do.  Each batch size gets a tiling with at least the steps asked
     for per epoch, written once however often it is asked for."""
-    import sys
-    from conftest import ROOT
-    sys.path.insert(0, str(ROOT / "bench"))
-    import compare
     import datasets
+    compare = bench_module("compare")
     tiles = compare.Tiles(SHIPPED, str(tmp_path), 4)
     n = len(datasets.read(SHIPPED)[0][0])
     for global_batch in (n // 6, n // 2, n // 2 + 100, n):
@@ -66,21 +76,9 @@ def test_compare_refuses_to_measure_beside_another_process_on_the_gpus(tmp_path)
     assert not (tmp_path / "compare_cpu.json").exists()
 
 
-def load_exchange_bench():
-    """bench/exchange.py as a module (its name is taken by the project's exchange.py)."""
-    import importlib.util
-    import sys
-    from conftest import ROOT
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("exchange_bench", ROOT / "bench" / "exchange.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_exchange_bench_refuses_a_rate_past_the_link_and_wrong_data():
     import pytest
-    bench = load_exchange_bench()
+    bench = bench_module("exchange")
     good = dict(bytes=1 << 20, gbps=300.0, data_checked=True)
     bench.refuse([good], 450.0, "two processes")  # a possible figure passes
     with pytest.raises(SystemExit, match="1,048,576 bytes is past the link's 450 GB/s: a timing"):
@@ -90,7 +88,7 @@ def test_exchange_bench_refuses_a_rate_past_the_link_and_wrong_data():
 
 
 def test_exchange_bench_sizes_span_4_kb_to_the_maximum_and_the_mlp():
-    bench = load_exchange_bench()
+    bench = bench_module("exchange")
     sizes = bench.sizes(256)
     assert sizes[0] == 4096 and sizes[-1] == 256 << 20 and bench.MLP_BYTES in sizes
     assert bench.MLP_BYTES == 397510 * 4
@@ -143,9 +141,7 @@ def test_an_optional_reference_that_fails_is_reported_not_fatal(capsys):
     import sys
 
     import pytest
-    from conftest import ROOT
-    sys.path.insert(0, str(ROOT / "bench"))
-    import compare
+    compare = bench_module("compare")
     with pytest.raises(compare.Failed, match="^no compiler here$"):
         compare.run([sys.executable, "-c", "import sys; sys.exit('no compiler here')"],
                     optional=True)
