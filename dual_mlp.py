@@ -42,20 +42,12 @@ is the gradient of their union's mean cost.
 import cli  # first: quiet Ctrl-C and closed pipes from the very start
 import argparse
 import collections
-import ctypes
-import datetime
-import itertools
 import json
 import os
 import platform
 import shlex
-import shutil
-import signal
 import sys
-import threading
 import time
-import traceback
-import types
 from contextlib import ExitStack
 
 import theano_flags  # noqa: F401  (maps THEANO_FLAGS onto PyTensor; must precede it)
@@ -63,10 +55,14 @@ import numpy as np
 import pytensor
 
 import datasets
-import mlp
+import devices
+import exchange
 import launcher
-from exchange import (CudaDevice, HostDevice, Interrupted, JaxDevice, Layout, Peer, PeerError,
-                      XlaExchange, request_stop, stopping)
+import mlp
+import records
+from devices import place, storage
+from exchange import Layout, Peer, PeerError, XlaExchange
+from launcher import Interrupted, Watchdog, fault_point, stop_point, stopping
 from logistic_sgd import load_data
 
 # -----------------------------------------------------------------------------
@@ -150,17 +146,59 @@ def parse_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# the worker
+# the trainers: one per ordering, one interface
 
-def storage(shared):
-    """The array a shared variable holds now (a jax.Array under JAX)."""
-    return shared.container.storage[0]
+class Trainer:
+    """One worker's replica, and how it trains beside the others.
 
+    ``start()`` meets the other workers once (the handshake) and checks that
+    every replica starts from the same weights; ``epoch(n)`` runs n steps,
+    after each of which every replica holds the average; ``to_model()``
+    leaves the replica's weights in the model's shared variables (worker 0
+    validates them); ``weights()`` hands them back as NumPy arrays;
+    ``finish()`` waits until the last step is done everywhere."""
 
-def place(shared, value):
-    """Set a shared variable's array without a copy back to NumPy (set_value
-    would make one), so device arrays stay on the device."""
-    shared.container.storage[0] = value
+    route = ""  # how the weights travel, in words
+
+    def __init__(self, rank, model, link, check):
+        """``link`` reaches the other workers, for the handshake and for
+        ``gather``, which the exchange itself never uses."""
+        self.rank, self.model, self.link, self.check = rank, model, link, check
+        self.max_diff = 0.0
+
+    def start(self):
+        self.handshake()
+        start = np.array([sum(p.sum(dtype=np.float64) for p in self.model.get_params())])
+        if len(set(self.link.gather(start).ravel())) > 1:
+            raise PeerError("the replicas start from different weights")
+
+    def handshake(self):
+        """Swap what the exchange needs to know of the others, once."""
+
+    def check_replicas(self):
+        """``--check``: the largest difference between this replica's weights
+        and any other's, compared on the host."""
+        if self.check:
+            mine = np.concatenate([w.ravel() for w in self.weights()])
+            self.max_diff = max(self.max_diff,
+                                float(np.max(np.abs(self.link.gather(mine) - mine))))
+
+    def to_model(self):
+        pass  # the model's shared variables are the replica's weights
+
+    def finish(self):
+        pass
+
+    def close(self):
+        pass
+
+    def step_us(self, steps):
+        """Microseconds of a step by phase, where the host can time them."""
+        return {}
+
+    def report(self):
+        """More entries for the summary."""
+        return {}
 
 
 class StepClock:
@@ -182,38 +220,40 @@ class StepClock:
         self.last = now
 
 
-def make_average(kind, params, peer_weights, layout, transport, device):
-    """The ``--avg`` variants; each sets every parameter to (mine + peer's) / 2."""
-    if kind == "theano":
-        return pytensor.function([], [], mode=device.mode, updates=[
-            (p, (p + q) / 2) for p, q in zip(params, layout.views(peer_weights))])
-    if kind == "pycuda":
-        return lambda: device.average_in_place([storage(p) for p in params], transport.recv,
-                                               layout)
-
-    def through_host():
-        peer = layout.views(device.to_host(transport.recv))
-        for p, q in zip(params, peer):
-            place(p, device.put((device.to_host(storage(p)) + q) / 2))
-    return through_host
-
-
-def replica_spread(weights, gather):
-    """The largest difference between this replica's weights and any
-    other's, compared on the host, over a channel the exchange never uses."""
-    mine = np.concatenate([w.ravel() for w in weights])
-    return float(np.max(np.abs(gather(mine) - mine)))
-
-
-class HostOrdered:
+class HostOrdered(Trainer):
     """``--sync host``: the 2014 loop.  The host waits for its device after
     each phase and the two workers meet at zmq barriers, so the host clock
     can time every phase."""
 
-    def __init__(self, rank, model, device, transport, peer, average, check):
-        self.rank, self.model, self.device, self.transport = rank, model, device, transport
-        self.peer, self.average, self.check = peer, average, check
-        self.clock, self.max_diff = StepClock(), 0.0
+    def __init__(self, rank, model, device, peer, rundir, avg, staged, check):
+        super().__init__(rank, model, peer, check)
+        self.device, self.peer, self.clock = device, peer, StepClock()
+        layout = Layout.of(model.params)
+        self.transport = exchange.transport(device, rundir, rank, layout, staged)
+        self.average = self.make_average(avg, layout)
+        model.warm_up(self.average, put=device.put)
+        self.route = f"{self.transport.route}, ordered by the host, --avg {avg}"
+
+    def make_average(self, kind, layout):
+        """The ``--avg`` variants; each sets every parameter to (mine + peer's) / 2."""
+        params, transport, device = self.model.params, self.transport, self.device
+        if kind == "theano":
+            peer = pytensor.shared(np.zeros(layout.size, layout.dtype), name="peer")
+            place(peer, transport.recv)
+            return pytensor.function([], [], mode=device.mode, updates=[
+                (p, (p + q) / 2) for p, q in zip(params, layout.views(peer))])
+        if kind == "pycuda":
+            return lambda: device.average_in_place([storage(p) for p in params], transport.recv,
+                                                   layout)
+
+        def through_host():
+            peer = layout.views(device.to_host(transport.recv))
+            for p, q in zip(params, peer):
+                place(p, device.put((device.to_host(storage(p)) + q) / 2))
+        return through_host
+
+    def handshake(self):
+        self.transport.connect(self.peer.exchange(self.transport.handle()))
 
     def epoch(self, n_steps):
         model, transport, peer, clock = self.model, self.transport, self.peer, self.clock
@@ -234,8 +274,7 @@ class HostOrdered:
             self.average()                                  # 6. (mine + peer's) / 2
             self.device.wait([storage(p) for p in model.params])
             clock.lap("average")
-            if self.check:
-                self.max_diff = max(self.max_diff, replica_spread(self.weights(), peer.gather))
+            self.check_replicas()
 
     def weights(self):
         return [self.device.to_host(storage(p)) for p in self.model.params]
@@ -245,45 +284,47 @@ class HostOrdered:
         us["exchange"] = sum(us[k] for k in ("publish", "signal", "waiting", "copy"))
         return us
 
-    def finish(self):
-        pass
-
-    def report(self):
-        return {}
+    def close(self):
+        self.transport.close()
 
 
-class DeviceOrdered:
+class DeviceOrdered(Trainer):
     """``--sync gpu`` and ``--exchange xla``: a step, training and exchange,
     is one compiled program.  The host only queues it: it runs up to
     ``AHEAD`` steps ahead of the device and never waits within a step, so
     the host clock times whole steps only.
 
-    ``program(step, *state)`` queues one step and returns ``(marker, state)``;
-    ``done(marker)`` says whether the device has finished that step."""
+    A subclass says how to ``queue`` a step (returning a marker), whether
+    the device is ``done`` with the step of a marker, and where the
+    replica's ``device_weights`` are."""
 
-    def __init__(self, rank, program, done, state, weights, gather, check, timeout,
-                 finish=None, report=dict):
-        self.rank, self.program, self.done = rank, program, done
-        self.state, self._weights, self.gather, self.check = state, weights, gather, check
-        self._finish, self._report, self.max_diff = finish, report, 0.0
+    def __init__(self, rank, model, link, check, timeout):
+        super().__init__(rank, model, link, check)
         self.queued, self.watchdog = collections.deque(), Watchdog(rank, timeout)
         self.host_time, self.calls = 0.0, 0  # spent inside the program's call: the host's share
+
+    def queue(self, step):
+        raise NotImplementedError
+
+    def done(self, marker):
+        raise NotImplementedError
+
+    def device_weights(self):
+        raise NotImplementedError
 
     def epoch(self, n_steps):
         with self.watchdog:
             for step in range(n_steps):
                 stop_point(self.rank, "train")
                 called = time.perf_counter()
-                marker, self.state = self.program(step, *self.state)
+                self.queued.append(self.queue(step))
                 self.host_time, self.calls = self.host_time + time.perf_counter() - called, \
                     self.calls + 1
                 fault_point(self.rank, "exchange")
-                self.queued.append(marker)
                 if len(self.queued) > AHEAD:
                     self.wait(self.queued.popleft())
                 self.watchdog.alive()
-                if self.check:
-                    self.max_diff = max(self.max_diff, replica_spread(self.weights(), self.gather))
+                self.check_replicas()
             while self.queued:  # the epoch ends when the device is done with it
                 self.wait(self.queued.popleft())
                 self.watchdog.alive()
@@ -296,195 +337,131 @@ class DeviceOrdered:
             time.sleep(0.0002)
 
     def weights(self):
-        return [np.array(w) for w in self._weights(*self.state)]
+        return [np.array(w) for w in self.device_weights()]
 
-    def device_weights(self):
-        return self._weights(*self.state)
-
-    def step_us(self, steps):
-        return {}
+    def to_model(self):
+        for p, value in zip(self.model.params, self.device_weights()):
+            place(p, value)
 
     def report(self):
         """What bounds the speed: a step that costs the host as long as the
         step takes is host-bound, one that costs it less waits for the GPU."""
-        return dict(self._report(), host_us_per_call=1e6 * self.host_time / max(1, self.calls))
-
-    def finish(self):
-        if self._finish:
-            self._finish()
+        return dict(host_us_per_call=1e6 * self.host_time / max(1, self.calls))
 
 
-class Watchdog:
-    """A thread that ends this worker when, in an epoch, no step finishes
-    for ``timeout`` seconds, or a stop request goes unheeded for a second.
-    Where the devices order the steps, a GPU waiting for ever on a peer that
-    stalled or died can hold the host thread inside a call into XLA (which
-    waits for the last launch before it launches again): no check of ours
-    runs there, and a signal only sets a flag."""
+class GpuOrdered(DeviceOrdered):
+    """``--sync gpu``: the exchange as kernels on this GPU's stream, inside the
+    step (stream_exchange.py)."""
 
-    def __init__(self, rank, timeout):
-        self.rank, self.timeout, self.last, self.armed = rank, timeout, time.monotonic(), False
-        threading.Thread(target=self._watch, daemon=True).start()
+    route = "CUDA IPC, peer to peer, ordered by the GPUs"
 
-    def alive(self):
-        self.last = time.monotonic()
+    def __init__(self, rank, world, model, device, peer, check, timeout):
+        import jax
+        import jax.numpy as jnp
+        from stream_exchange import StreamExchange
 
-    def __enter__(self):
-        self.alive()
-        self.armed = True
+        super().__init__(rank, model, peer, check, timeout)
+        model.warm_up(put=device.put)
+        train, self.data = devices.jax_train_step(model)
+        layout = Layout.of(model.params)
+        self.exchange = StreamExchange(device, layout)
+        n_steps = model.n_train_batches // world
 
-    def __exit__(self, *exc):
-        self.armed = False
+        def flat(params):  # the weights travel as one buffer: one copy each way
+            return jnp.concatenate([p.ravel() for p in params])
 
-    def _watch(self):
-        stop_seen = None
-        while True:
-            time.sleep(0.1)
-            now = time.monotonic()
-            if not self.armed:
-                continue
-            if stopping.is_set():
-                stop_seen = stop_seen or now
-                if now - stop_seen > 1.0:
-                    quit_now(128 + stopping.signum)
-            elif now - self.last > self.timeout:
-                print(f"worker {self.rank}: error: no step finished within {self.timeout:g} s: "
-                      "another worker stalled (see --timeout)", file=sys.stderr, flush=True)
-                quit_now(1)
+        def average(params, received):
+            return (params + received) / 2
 
+        def step(data, counter, params, received):
+            index = world * (counter % n_steps) + rank           # this worker's minibatch
+            mean = average(params, received)                     # 6. average, of step t-1
+            _, new = train(index, data, layout.views(mean))      # 1. train
+            new = flat(new)
+            return counter + 1, new, self.exchange(new, received)  # 2.-5. publish, signal, copy
 
-def jax_step(model):
-    """The model's PyTensor-compiled training step as a JAX function
-    ``train(index, data, params) -> cost, new_params``: PyTensor's JAX backend
-    jits the whole graph, and its jitted callable can be called inside
-    another jitted program."""
-    f = model.train_model
-    inputs = [i.variable for i in f.maker.inputs]          # index, data, params, in its order
-    updated = [i.variable for i in f.maker.inputs if i.update is not None]
-    data_vars = [v for v in inputs[1:] if v not in model.params]
+        params = jax.jit(flat)([storage(p) for p in model.params])
+        # received = mine: the first average is a no-op
+        self.state = (device.put(np.int32(0)), params, params.copy())
+        # Compiled, not run (no peer yet).  The whole state is donated and the
+        # step returns nothing else, so XLA writes every step into the same
+        # buffers: the exchange's captured launches stay valid, and XLA replays
+        # its recorded step as it is, with nothing to update in it.  The host
+        # learns which steps are done from the exchange's counter in host memory.
+        self.program = jax.jit(step, donate_argnums=(1, 2, 3)).lower(
+            self.data, *self.state).compile()
+        # the replica's weights, for validation and --check
+        self._weights = jax.jit(lambda counter, params, received:
+                                layout.views(average(params, received)))
+        self._weights(*self.state)  # compiled now, not in the first epoch
+        self.steps_queued = 0
 
-    def train(index, data, params):
-        value = dict(zip(data_vars, data)) | dict(zip(model.params, params))
-        cost, *new = f.vm.jit_fn(index, *[value[v] for v in inputs[1:]])
-        new = dict(zip(updated, new))
-        return cost, [new[p] for p in model.params]
-    return train, [storage(v) for v in data_vars]
+    def handshake(self):
+        self.exchange.connect(self.link.exchange(self.exchange.handle()))
 
+    def queue(self, step):
+        self.state = self.program(self.data, *self.state)
+        self.steps_queued += 1
+        return self.steps_queued  # the step's number, as the exchange counts them
 
-def gpu_ordered(rank, world, model, device, layout, peer, args):
-    """``--sync gpu``: the exchange as kernels on this GPU's stream, inside the step."""
-    import jax
-    import jax.numpy as jnp
-    from stream_exchange import StreamExchange
+    def done(self, marker):
+        return self.exchange.steps_done() >= marker
 
-    train, data = jax_step(model)
-    exchange = StreamExchange(device, layout)
-    n_steps = model.n_train_batches // world
+    def device_weights(self):
+        return self._weights(*self.state)
 
-    def flat(params):  # the weights travel as one buffer: one copy each way
-        return jnp.concatenate([p.ravel() for p in params])
+    def finish(self):  # both GPUs are done: neither send buffer is read any more
+        self.link.barrier()
+        self.exchange.close()
 
-    def average(params, received):
-        return (params + received) / 2
-
-    def step(data, counter, params, received):
-        index = world * (counter % n_steps) + rank               # this worker's minibatch
-        mean = average(params, received)                         # 6. average, of step t-1
-        _, new = train(index, data, layout.views(mean))          # 1. train
-        new = flat(new)
-        return counter + 1, new, exchange(new, received)         # 2.-5. publish, signal, copy
-
-    params = jax.jit(flat)([storage(p) for p in model.params])
-    # received = mine: the first average is a no-op
-    state = (device.put(np.int32(0)), params, params.copy())
-    # Compiled, not run (no peer yet).  The whole state is donated and the
-    # step returns nothing else, so XLA writes every step into the same
-    # buffers: the exchange's captured launches stay valid, and XLA replays
-    # its recorded step as it is, with nothing to update in it.  The host
-    # learns which steps are done from the exchange's counter in host memory.
-    compiled = jax.jit(step, donate_argnums=(1, 2, 3)).lower(data, *state).compile()
-    # the replica's weights, for validation and --check
-    weights = jax.jit(lambda counter, params, received: layout.views(average(params, received)))
-    weights(*state)  # compiled now, not in the first epoch
-
-    queued = itertools.count(1)
-
-    def program(_, *state):  # the marker: this step's number, as the exchange counts them
-        return next(queued), compiled(data, *state)
-
-    def finish():  # both GPUs are done: neither send buffer is read any more
-        peer.barrier()
-        exchange.close()
-
-    trainer = DeviceOrdered(rank, program, lambda t: exchange.steps_done() >= t, state,
-                            weights, peer.gather, args.check, args.timeout, finish,
-                            report=lambda: {"exchange_callbacks": exchange.callbacks})
-    return trainer, exchange
+    def report(self):
+        return dict(super().report(), exchange_callbacks=self.exchange.callbacks)
 
 
-def xla_ordered(rank, world, model, device, xla, args):
+class XlaOrdered(DeviceOrdered):
     """``--exchange xla``: the mean over all workers as an XLA all-reduce, inside the step."""
-    train, data = jax_step(model)
 
-    def step(index, data, params):
-        cost, new = train(index[0], data, params)                    # 1. train
-        return cost[None], ([xla.mean(p) for p in new],)             # 2.-6. all-reduce
+    route = "an XLA all-reduce (JAX's distributed runtime)"
 
-    data = [xla.replicated(d) for d in data]
-    state = ([xla.replicated(storage(p)) for p in model.params],)
-    indices = [xla.per_worker(device.put(np.array([world * t + rank], np.int32)))
-               for t in range(model.n_train_batches // world)]
-    compiled = xla.program(step).lower(indices[0], data, *state).compile()
-    trainer = DeviceOrdered(rank, lambda t, *state: compiled(indices[t], data, *state),
-                            lambda cost: cost.is_ready(), state,
-                            lambda params: [xla.local(p) for p in params], xla.gather,
-                            args.check, args.timeout)
-    return trainer
+    def __init__(self, rank, world, model, device, xla, check, timeout):
+        super().__init__(rank, model, xla, check, timeout)
+        model.warm_up(put=device.put)
+        train, data = devices.jax_train_step(model)
 
+        def step(index, data, params):
+            cost, new = train(index[0], data, params)                    # 1. train
+            return cost[None], ([xla.mean(p) for p in new],)             # 2.-6. all-reduce
 
-def fault_point(rank, where):
-    """The fault tests' hook: DUAL_MLP_FAULT=RANK:WHERE:HOW makes worker RANK
-    fail on reaching WHERE (start, train, exchange) by HOW (raise, oom, kill,
-    or hint: an error whose message ends in a hint line, as PyTensor's do)."""
-    spec = os.environ.get("DUAL_MLP_FAULT", "").split(":")
-    if spec[:2] != [str(rank), where]:
-        return
-    if spec[2] == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if spec[2] == "oom":
-        np.empty(1 << 60, np.uint8)  # raises MemoryError, as a real allocation failure would
-    hint = "\nHINT: re-run with more detail" if spec[2] == "hint" else ""
-    raise RuntimeError(f"fault injected at {where}{hint}")
+        self.data = [xla.replicated(d) for d in data]
+        self.state = ([xla.replicated(storage(p)) for p in model.params],)
+        self.indices = [xla.per_worker(device.put(np.array([world * t + rank], np.int32)))
+                        for t in range(model.n_train_batches // world)]
+        self.program = xla.program(step).lower(self.indices[0], self.data, *self.state).compile()
+
+    def queue(self, step):
+        cost, self.state = self.program(self.indices[step], self.data, *self.state)
+        return cost
+
+    def done(self, cost):
+        return cost.is_ready()
+
+    def device_weights(self):
+        return [self.link.local(p) for p in self.state[0]]
 
 
-def stop_point(rank, where):
-    """Where a step may stop: on request, or by the fault tests' hook."""
-    if stopping.is_set():
-        raise Interrupted
-    fault_point(rank, where)
-
-
-def die_with_parent():
-    """Ask Linux to SIGTERM this worker if the launcher dies, even by SIGKILL."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def make_device(dev, jax_on_cpu):
-    if dev != "cpu":
-        return CudaDevice(int(dev))
-    return JaxDevice() if jax_on_cpu else HostDevice()
-
+# -----------------------------------------------------------------------------
+# the worker
 
 def worker(args, rank, world, dev, rundir):
+    """One worker, start to end: its device, the data, the model, the
+    trainer of the ordering asked for, the epochs; worker 0 validates,
+    keeps the checkpoint and reports."""
     say = print if rank == 0 else (lambda *a, **k: None)  # only global rank 0 prints
     with ExitStack() as cleanup:
         # JAX's distributed runtime must start before anything else touches JAX
         xla = XlaExchange(args.coordinator, world, rank, args.timeout, dev == "cpu") \
             if args.exchange == "xla" else None
-        device = make_device(dev, jax_on_cpu=xla is not None)
+        device = devices.open_device(dev, jax_on_cpu=xla is not None)
         cleanup.callback(device.close)
         data = load_data(args.dataset, put=device.put)  # resident on the device
         t0 = time.perf_counter()
@@ -493,97 +470,65 @@ def worker(args, rank, world, dev, rundir):
                            "later runs use the cache)", say):
             model = mlp.Model(data, args.batch_size, args.n_hidden, args.learning_rate, args.l1,
                               args.l2, args.seed, mode=device.mode)
-            layout = Layout([p.get_value().shape for p in model.params], pytensor.config.floatX)
-            state = dict(epoch=0, best_validation_error=np.inf, test_error=np.inf,
-                         validation_errors=[])
-            best_params = model.get_params()
+            progress = records.Progress(model.get_params())
             if args.resume:
-                current, best_params, state = mlp.load_checkpoint(args.resume, layout.shapes,
-                                                                  mlp.TRAINING_STATE)
+                current, progress = records.Progress.resume(args.resume, Layout.of(model.params)
+                                                            .shapes)
                 model.set_params(current)
             for p in model.params:
                 place(p, device.put(storage(p)))
-            start = float(sum(p.sum(dtype=np.float64) for p in model.get_params()))
             stop_point(rank, "start")
-            if xla:
-                model.warm_up(put=device.put)
-                trainer, peer = xla_ordered(rank, world, model, device, xla, args), None
-                if len(set(xla.gather(np.array([start])).ravel())) > 1:
-                    raise PeerError("the replicas start from different weights")
-                route = "an XLA all-reduce (JAX's distributed runtime)"
-            else:
-                peer = Peer(rundir, rank, args.timeout, stopping, device.spin)
-                cleanup.callback(peer.close)
-                if args.sync == "gpu":
-                    model.warm_up(put=device.put)
-                    trainer, transport = gpu_ordered(rank, world, model, device, layout, peer, args)
-                    route = "CUDA IPC, peer to peer, ordered by the GPUs"
-                else:
-                    transport = device.transport(rundir, rank, layout, args.staged)
-                    cleanup.callback(transport.close)
-                    peer_weights = pytensor.shared(np.zeros(layout.size, layout.dtype), name="peer")
-                    place(peer_weights, transport.recv)
-                    average = make_average(args.avg, model.params, peer_weights, layout,
-                                           transport, device)
-                    model.warm_up(average, put=device.put)
-                    trainer = HostOrdered(rank, model, device, transport, peer, average, args.check)
-                    route = f"{transport.route}, ordered by the host, --avg {args.avg}"
-                # The handshake: swap buffer handles once, and check that both
-                # replicas start from the same weights.
-                theirs = peer.exchange({"handle": transport.handle(), "start": start})
-                if theirs["start"] != start:
-                    raise PeerError("the two replicas start from different weights")
-                transport.connect(theirs["handle"])
+            trainer = make_trainer(args, rank, world, model, device, rundir, xla, cleanup)
+            cleanup.callback(trainer.close)
+            trainer.start()
         say(f"... compiled in {time.perf_counter() - t0:.1f} s")
         if args.resume:
-            say(f"... resumed from {args.resume} at epoch {state['epoch']}")
+            say(f"... resumed from {args.resume} at epoch {progress.epoch}")
 
         n_steps = model.n_train_batches // world
         say(f"... training: {world} workers on {', '.join(args.devices)}"
             f"{f' x {args.nodes} nodes' if args.nodes > 1 else ''}, {args.batch_size} images per "
-            f"worker per step, {n_steps} steps per epoch; weights through {route}")
-        steps_run, train_time, start_time, curve = 0, 0.0, time.perf_counter(), []
-        for epoch in range(state["epoch"] + 1, args.epochs + 1):
+            f"worker per step, {n_steps} steps per epoch; weights through {trainer.route}")
+        start_time = time.perf_counter()
+        for epoch in range(progress.epoch + 1, args.epochs + 1):
             epoch_start = time.perf_counter()
             trainer.epoch(n_steps)
             epoch_time = time.perf_counter() - epoch_start
-            steps_run, train_time = steps_run + n_steps, train_time + epoch_time
+            progress.trained(n_steps, epoch_time)
             if rank != 0:
                 continue
-            if isinstance(trainer, DeviceOrdered):
-                for p, value in zip(model.params, trainer.device_weights()):
-                    place(p, value)
-            this_validation_error = float(model.validate_model())
-            state["validation_errors"].append(this_validation_error)
-            if this_validation_error < state["best_validation_error"]:
-                state["best_validation_error"] = this_validation_error
-                state["test_error"] = float(model.test_model())
-                best_params = model.get_params()
-            state["epoch"] = epoch
-            curve.append(mlp.epoch_record(epoch, train_time, this_validation_error,
-                                          state["test_error"]))
+            trainer.to_model()
+            progress.validated(epoch, float(model.validate_model()), model.test_model,
+                               model.get_params)
             say(f"epoch {epoch}/{args.epochs}: {n_steps} steps per worker ({world * n_steps} "
                 f"minibatches of {args.batch_size}), validation error "
-                f"{this_validation_error * 100.:.2f} %  "
+                f"{progress.validation_errors[-1] * 100.:.2f} %  "
                 f"({world * n_steps * args.batch_size / epoch_time:,.0f} samples/s)")
             if args.save:
-                save(args.save, model.get_params(), best_params, state)
+                progress.save(args.save, model.get_params())
         trainer.finish()
-
-        if rank != 0:
-            return
-        summarise(args, state, trainer, steps_run, n_steps, world, train_time,
-                  time.perf_counter() - start_time, device, route, curve, say)
+        if rank == 0:
+            summarise(args, progress, trainer, n_steps, world, time.perf_counter() - start_time,
+                      device, say)
 
 
-def summarise(args, state, trainer, steps_run, n_steps, world, train_time, wall, device, route,
-              curve, say):
+def make_trainer(args, rank, world, model, device, rundir, xla, cleanup):
+    """The trainer of the ordering asked for (see the module's text)."""
+    if xla:
+        return XlaOrdered(rank, world, model, device, xla, args.check, args.timeout)
+    peer = Peer(rundir, rank, args.timeout, stopping, device.spin)
+    cleanup.callback(peer.close)
+    if args.sync == "gpu":
+        return GpuOrdered(rank, world, model, device, peer, args.check, args.timeout)
+    return HostOrdered(rank, model, device, peer, rundir, args.avg, args.staged, args.check)
+
+
+def summarise(args, progress, trainer, n_steps, world, wall, device, say):
     """Worker 0's closing lines, and the --json summary."""
-    samples_per_s = world * steps_run * args.batch_size / train_time
-    step_us = dict(trainer.step_us(steps_run), step=1e6 * train_time / steps_run)
-    best = state["best_validation_error"]
-    say(f"Optimization complete. Best validation error {best * 100.:.2f} %"
-        f", test error of that model {state['test_error'] * 100.:.2f} % (a separate sample of "
+    samples_per_s = world * progress.steps * args.batch_size / progress.train_s
+    step_us = dict(trainer.step_us(progress.steps), step=1e6 * progress.train_s / progress.steps)
+    say(f"Optimization complete. Best validation error {progress.best_validation_error * 100.:.2f}"
+        f" %, test error of that model {progress.test_error * 100.:.2f} % (a separate sample of "
         "images: it can come out lower than validation)")
     say(f"Trained at {samples_per_s:,.0f} samples/s ({world} workers), {step_us['step']:.0f} us "
         "per step" + ("" if "train" not in step_us else
@@ -596,94 +541,38 @@ def summarise(args, state, trainer, steps_run, n_steps, world, train_time, wall,
         return
     summary = dict(
         config={k: v for k, v in vars(args).items() if k != "worker"},
-        command=args.command,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        host=platform.node(), devices=args.devices, workers=world, nodes=args.nodes,
-        exchange=args.exchange, sync=args.sync, route=route, device_name=device.description,
+        **records.run_header(args.command), devices=args.devices, workers=world,
+        nodes=args.nodes, exchange=args.exchange, sync=args.sync, route=trainer.route,
+        device_name=device.description,
         backend=type(pytensor.compile.mode.get_mode(device.mode).linker).__name__,
         floatX=pytensor.config.floatX,
         versions=dict(python=platform.python_version(), numpy=np.__version__,
                       pytensor=pytensor.__version__),
-        validation_errors=state["validation_errors"],
-        best_validation_error=state["best_validation_error"],
-        test_error=state["test_error"], epochs_run=steps_run // n_steps,
-        steps_per_epoch=n_steps, wall_time_s=wall, training_time_s=train_time,
-        samples_per_s=samples_per_s, step_us=step_us, curve=curve)
+        **progress.summary(n_steps), wall_time_s=wall, samples_per_s=samples_per_s,
+        step_us=step_us, curve=progress.curve)
     if "exchange" in step_us:
         summary["exchange_us_per_step"] = step_us["exchange"]
     if args.check:
         summary["max_replica_diff"] = trainer.max_diff
     summary.update(trainer.report())
-    write_summary(args.json, summary)
-
-
-def save(path, params, best_params, state):
-    """The epoch's checkpoint; a write that fails (a full disk) leaves the
-    previous checkpoint as it was, and training goes on."""
     try:
-        mlp.save_checkpoint(path, params, best_params, **state)
-    except OSError as e:
-        print(f"worker 0: warning: could not write {path} ({e.strerror}): the previous one "
-              "is kept", file=sys.stderr)
-
-
-def write_summary(path, summary):
-    text = json.dumps(summary, indent=2)
-    try:
-        with datasets.atomic_write(path) as f:
-            f.write(text.encode())
+        records.write_json(args.json, summary)
     except OSError as e:  # a full disk, say: the run's result must not be lost
-        print(f"worker 0: error: could not write {path} ({e.strerror}); the summary "
+        print(f"worker 0: error: could not write {args.json} ({e.strerror}); the summary "
               "follows on stdout", file=sys.stderr)
-        print(text)
+        print(json.dumps(summary, indent=2))
         raise SystemExit(1)
-
-
-def run_worker(index, rundir):
-    launcher = os.getppid()
-    die_with_parent()
-    cli.install_stop_handler(request_stop)
-    with open(os.path.join(rundir, "config.json")) as f:
-        args = types.SimpleNamespace(**json.load(f))
-    rank, world = args.node_rank * len(args.devices) + index, args.nodes * len(args.devices)
-    code = 0
-    try:
-        worker(args, rank, world, args.devices[index], rundir)
-    except Exception as e:
-        if stopping.is_set():  # asked to stop: what broke on the way out is no news
-            code = 128 + stopping.signum
-        elif isinstance(e, (PeerError, mlp.CheckpointError, datasets.DatasetError)):
-            print(f"worker {rank}: error: {e}", file=sys.stderr)
-            code = 1
-        else:
-            traceback.print_exc()
-            code = 1
-    finally:
-        # Told to stop, or orphaned: the launcher may be dying too, and the
-        # files there are of no use to the peer any more (it has them open).
-        if stopping.is_set() or os.getppid() != launcher:
-            shutil.rmtree(rundir, ignore_errors=True)
-    if code:
-        quit_now(code)
-    return 0
-
-
-def quit_now(code):
-    """Exit without Python's clean-up: a GPU may wait for ever on a peer that
-    is gone, and freeing its memory, or JAX's own exit, would wait with it."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
-        return run_worker(int(args.worker[0]), args.worker[1])
+        return launcher.run_worker(worker, int(args.worker[0]), args.worker[1],
+                                   (PeerError, records.CheckpointError, datasets.DatasetError))
     started = time.perf_counter()
     try:
         notices = launcher.check_request(args, BATCH_SIZE, SHIPPED_BATCH_SIZE)
-    except (launcher.UsageError, datasets.DatasetError, mlp.CheckpointError) as e:
+    except (launcher.UsageError, datasets.DatasetError, records.CheckpointError) as e:
         print(f"dual_mlp.py: error: {e}", file=sys.stderr)
         return 2
     for notice in notices:

@@ -1,4 +1,4 @@
-"""How the two workers of ``dual_mlp.py`` meet and swap weights.
+"""How the workers of ``dual_mlp.py`` meet and swap weights.
 
 The pieces, each small enough to read in one go:
 
@@ -8,17 +8,10 @@ The pieces, each small enough to read in one go:
     buffer handle) and, every step, the barriers: each side sends the step
     number and waits for the other's.  Every wait has a timeout.
 
-``HostDevice`` / ``JaxDevice`` / ``CudaDevice``
-    where a worker's arrays live.  On the CPU, PyTensor's default backend
-    runs the graph on NumPy arrays (or, for ``--exchange xla``, its JAX
-    backend on JAX's CPU device).  On a GPU, PyTensor's JAX backend runs it
-    on ``jax.Array`` buffers of that GPU, and PyCUDA works on the same memory
-    through the device's primary context, the one JAX uses too.
-
-the transports
+the transports (``--sync host``)
     a worker *publishes* its weights into its own send buffer, whose address
     never moves, and the peer *fetches* them from there into its receive
-    buffer:
+    buffer (``transport`` picks one for the device):
 
     * ``HostTransport`` (CPU): the send buffer is a file in the run's private
       directory that both workers map; its path is the handle.
@@ -34,50 +27,26 @@ the transports
     with NCCL between GPUs or gloo between CPUs, inside the compiled step.
 
 The weights of all layers travel as one flat buffer; ``Layout`` says where
-each parameter sits in it.  (``stream_exchange.py`` holds the GPU-ordered
-variant of the peer-to-peer exchange.)
+each parameter sits in it.  ``stream_exchange.py`` holds the GPU-ordered
+variant of the peer-to-peer exchange (``--sync gpu``); ``devices.py`` the
+devices the buffers live on.
 """
 import contextlib
 import os
 import pickle
-import platform
-import shutil
 import struct
 import sys
 import threading
 import time
-import warnings
 
 import numpy as np
 import zmq
 
+from launcher import Interrupted
+
 
 class PeerError(Exception):
     """The other worker stalled, vanished or disagreed; one line of message."""
-
-
-class Interrupted(Exception):
-    """This worker was asked to stop (SIGINT or SIGTERM) while it waited."""
-
-
-class StopRequest:
-    """Set by SIGINT (Ctrl-C) or SIGTERM (the launcher stopping us, or Linux
-    when the launcher dies).  A worker stops at the next step or while it
-    waits for its peer, never inside a compiled call or a checkpoint write.
-    A plain attribute, not a threading.Event: a signal handler must take no
-    lock, or a second signal arriving inside it deadlocks the process."""
-
-    signum = 0
-
-    def is_set(self):
-        return self.signum != 0
-
-
-stopping = StopRequest()
-
-
-def request_stop(signum, frame):
-    stopping.signum = signum
 
 
 class Peer:
@@ -169,147 +138,25 @@ class Layout:
         self.size = self.offsets[-1]
         self.nbytes = self.size * self.dtype.itemsize
 
+    @classmethod
+    def of(cls, params):
+        """The layout of a model's shared parameters."""
+        return cls([p.get_value(borrow=True).shape for p in params], params[0].dtype)
+
     def views(self, flat):
         """The parameters as reshaped slices of a flat buffer."""
         return [flat[a:a + n].reshape(s) for a, n, s in zip(self.offsets, self.sizes, self.shapes)]
 
 
-class HostDevice:
-    """A worker on the CPU: PyTensor's default backend, NumPy arrays."""
-
-    name = "cpu"
-    mode = None  # the mode of PYTENSOR_FLAGS / THEANO_FLAGS
-    spin = 0.0
-    description = platform.processor() or platform.machine()
-
-    def put(self, array):
-        return np.array(array)
-
-    def to_host(self, value):
-        return np.asarray(value)
-
-    def wait(self, values):
-        pass  # NumPy work is done when the call returns
-
-    def average_in_place(self, arrays, recv, layout):
-        """``--avg pycuda`` on the CPU: the direct array operation, in place."""
-        for mine, theirs in zip(arrays, layout.views(recv)):
-            np.add(mine, theirs, out=mine)
-            mine *= 0.5
-
-    def transport(self, rundir, rank, layout, staged):
-        return HostTransport(rundir, rank, layout, self)
-
-    def close(self):
-        pass
-
-
-class JaxDevice:
-    """A worker whose graph PyTensor compiles with its JAX backend, on the one
-    JAX device this process sees (its GPU, or the CPU for ``--exchange xla``
-    on CPUs)."""
-
-    mode = "JAX"
-    spin = 0.0
-
-    def __init__(self):
-        import jax
-        self.jax = jax
-        # PyTensor's JAX backend drops shape assertions and float64 casts (JAX
-        # runs 32-bit); it says so once per compiled graph, harmlessly
-        warnings.filterwarnings("ignore", "Skipping Assert")
-        warnings.filterwarnings("ignore", "Explicitly requested dtype")
-        # full float32 matrix products (JAX may otherwise round them to TF32),
-        # so that the GPU path follows the CPU path's numbers
-        jax.config.update("jax_default_matmul_precision", "highest")
-        (self.jax_device,) = jax.local_devices()  # creates JAX's context on our GPU
-        self.name = f"{self.jax_device.platform}{self.jax_device.id}"
-        self.description = self.jax_device.device_kind
-
-    def put(self, array):
-        return self.jax.device_put(np.asarray(array), self.jax_device)
-
-    def to_host(self, value):
-        return np.array(value)
-
-    def wait(self, values):
-        self.jax.block_until_ready(values)
-
-    def close(self):
-        pass
-
-
-class CudaDevice(JaxDevice):
-    """A worker bound to one GPU.
-
-    The launcher started this process with ``CUDA_VISIBLE_DEVICES`` naming
-    only its GPU, so JAX and PyCUDA both see it as device 0 and this process
-    takes no memory on any other GPU.  (A CUDA IPC handle still opens memory
-    of a GPU the process cannot see.)  PyCUDA retains the device's primary
-    context, the one JAX uses: pointers from JAX arrays are valid in PyCUDA,
-    and the reverse.
-    """
-
-    spin = 0.002
-
-    def __init__(self, index):
-        super().__init__()
-        import pycuda.driver as drv
-        from pycuda.compiler import SourceModule
-
-        self.drv, self.name = drv, f"cuda{index}"
-        drv.init()
-        self.description = drv.Device(0).name()
-        self.context = drv.Device(0).retain_primary_context()
-        self.context.push()
-        self.stream = drv.Stream()
-        # One small kernel, launched once per parameter: mine = (mine + peer) / 2.
-        self._average = SourceModule(nvcc=nvcc(), source="""
-            __global__ void average(float *mine, const float *peer, unsigned n) {
-                for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
-                     i += blockDim.x * gridDim.x)
-                    mine[i] = 0.5f * (mine[i] + peer[i]);
-            }""").get_function("average")
-        self._average.prepare("PPI")
-
-    def to_host(self, value):
-        """A fresh host copy.  Not np.asarray: a jax.Array caches its first host
-        copy, and PyCUDA writes the receive buffer behind JAX's back."""
-        self.jax.block_until_ready(value)
-        host = np.empty(value.shape, value.dtype)
-        self.drv.memcpy_dtoh(host, self.pointer(value))
-        return host
-
-    @staticmethod
-    def pointer(array):
-        return array.unsafe_buffer_pointer()
-
-    def average_in_place(self, arrays, recv, layout):
-        """``--avg pycuda``: the kernel, in place on the buffers JAX handed
-        back; safe because nothing else holds them and we wait for it."""
-        base, itemsize = self.pointer(recv), layout.dtype.itemsize
-        for mine, offset in zip(arrays, layout.offsets):
-            n = mine.size
-            self._average.prepared_async_call((min((n + 255) // 256, 1024), 1), (256, 1, 1),
-                                              self.stream, self.pointer(mine),
-                                              base + offset * itemsize, np.uint32(n))
-        self.stream.synchronize()
-
-    def transport(self, rundir, rank, layout, staged):
-        """Peer to peer, or ``staged`` through host memory: the launcher
-        chooses, by whether the two GPUs can reach each other's memory."""
-        if staged:
-            return StagedCudaTransport(rundir, rank, layout, self)
-        return CudaIpcTransport(layout, self)
-
-    def close(self):
-        self.context.pop()
-        self.context.detach()
-
-
-def nvcc():
-    """The CUDA compiler PyCUDA builds the kernels with."""
-    return shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+def transport(device, rundir, rank, layout, staged):
+    """The host-ordered transport for ``device``: host memory on the CPU; on
+    a GPU peer to peer, or ``staged`` through host memory (the launcher
+    chooses, by whether the two GPUs can reach each other's memory)."""
+    if device.name == "cpu":
+        return HostTransport(rundir, rank, layout, device)
+    if staged:
+        return StagedCudaTransport(rundir, rank, layout, device)
+    return CudaIpcTransport(layout, device)
 
 
 class HostTransport:

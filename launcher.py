@@ -1,14 +1,22 @@
-"""The launcher's side of dual_mlp.py: check a request, then start, watch
-and stop the workers.
+"""The process plumbing of dual_mlp.py, on both sides of the process boundary.
 
-Everything a request could get wrong is checked here, before any process
-starts, and refused in one line (``UsageError``; the caller exits 2).  Then
-``launch`` starts one worker process per local device, each seeing its own
-GPU only, passes their error output through, and if one fails stops the
-others at once (SIGTERM, then SIGKILL after two seconds) and names the
-worker and the line of its output that says what went wrong.
+The launcher's side: everything a request could get wrong is checked
+(``check_request``) before any process starts, and refused in one line
+(``UsageError``; the caller exits 2).  Then ``launch`` starts one worker
+process per local device, each seeing its own GPU only, passes their error
+output through, and if one fails stops the others at once (SIGTERM, then
+SIGKILL after two seconds) and names the worker and the line of its output
+that says what went wrong.
+
+The worker's side: ``run_worker`` reads the request, asks Linux to end the
+worker with its launcher, and turns every way a worker can end into an
+exit code and at most one line.  A signal only sets ``stopping``; the
+worker stops where it may (``stop_point``), and the ``Watchdog`` ends it
+where it cannot notice (inside a call into XLA, behind a GPU that waits on
+a peer that is gone).  ``fault_point`` is the fault tests' hook.
 """
 import collections
+import ctypes
 import importlib.util
 import json
 import os
@@ -21,14 +29,17 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
+import types
 
+import numpy as np
 import pytensor
 
 import cli
 import datasets
 import mlp
+import records
 import theano_flags
-from exchange import request_stop, stopping
 
 
 class UsageError(Exception):
@@ -145,7 +156,7 @@ def check_nodes(args):
 
 def check_resume(args):
     shapes = mlp.parameter_shapes(datasets.N_PIXELS, args.n_hidden, datasets.N_CLASSES)
-    _, _, state = mlp.load_checkpoint(args.resume, shapes, mlp.TRAINING_STATE)
+    _, _, state = records.load_checkpoint(args.resume, shapes, records.TRAINING_STATE)
     if state["epoch"] >= args.epochs:
         raise UsageError(f"{args.resume} is already at epoch {state['epoch']}: "
                          f"ask for more --epochs")
@@ -270,7 +281,9 @@ def launch(args, script):
             codes = [w.proc.poll() for w in workers]
             if all(code == 0 for code in codes):
                 return 0
-            failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
+            # a worker killed by a signal first: the others' errors may only follow from it
+            failed = sorted((w for w, code in zip(workers, codes) if code not in (None, 0)),
+                            key=lambda w: w.proc.returncode > 0)
             if failed:
                 stop(workers)
                 if any(w.proc.returncode == -signal.SIGPIPE for w in failed):
@@ -290,3 +303,139 @@ def launch(args, script):
         return 128 + stopping.signum
     finally:
         shutil.rmtree(rundir, ignore_errors=True)
+
+
+# -----------------------------------------------------------------------------
+# the worker's side
+
+class Interrupted(Exception):
+    """This worker was asked to stop (SIGINT or SIGTERM) while it waited."""
+
+
+class StopRequest:
+    """Set by SIGINT (Ctrl-C) or SIGTERM (the launcher stopping us, or Linux
+    when the launcher dies).  A worker stops at the next step or while it
+    waits for its peer, never inside a compiled call or a checkpoint write.
+    A plain attribute, not a threading.Event: a signal handler must take no
+    lock, or a second signal arriving inside it deadlocks the process."""
+
+    signum = 0
+
+    def is_set(self):
+        return self.signum != 0
+
+
+stopping = StopRequest()
+
+
+def request_stop(signum, frame):
+    stopping.signum = signum
+
+
+def stop_point(rank, where):
+    """Where a step may stop: on request, or by the fault tests' hook."""
+    if stopping.is_set():
+        raise Interrupted
+    fault_point(rank, where)
+
+
+def fault_point(rank, where):
+    """The fault tests' hook: DUAL_MLP_FAULT=RANK:WHERE:HOW makes worker RANK
+    fail on reaching WHERE (start, train, exchange) by HOW (raise, oom, kill,
+    or hint: an error whose message ends in a hint line, as PyTensor's do)."""
+    spec = os.environ.get("DUAL_MLP_FAULT", "").split(":")
+    if spec[:2] != [str(rank), where]:
+        return
+    if spec[2] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if spec[2] == "oom":
+        np.empty(1 << 60, np.uint8)  # raises MemoryError, as a real allocation failure would
+    hint = "\nHINT: re-run with more detail" if spec[2] == "hint" else ""
+    raise RuntimeError(f"fault injected at {where}{hint}")
+
+
+class Watchdog:
+    """A thread that ends this worker when, in an epoch, no step finishes
+    for ``timeout`` seconds, or a stop request goes unheeded for a second.
+    Where the devices order the steps, a GPU waiting for ever on a peer that
+    stalled or died can hold the host thread inside a call into XLA (which
+    waits for the last launch before it launches again): no check of ours
+    runs there, and a signal only sets a flag."""
+
+    def __init__(self, rank, timeout):
+        self.rank, self.timeout, self.last, self.armed = rank, timeout, time.monotonic(), False
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def alive(self):
+        self.last = time.monotonic()
+
+    def __enter__(self):
+        self.alive()
+        self.armed = True
+
+    def __exit__(self, *exc):
+        self.armed = False
+
+    def _watch(self):
+        stop_seen = None
+        while True:
+            time.sleep(0.1)
+            now = time.monotonic()
+            if not self.armed:
+                continue
+            if stopping.is_set():
+                stop_seen = stop_seen or now
+                if now - stop_seen > 1.0:
+                    quit_now(128 + stopping.signum)
+            elif now - self.last > self.timeout:
+                print(f"worker {self.rank}: error: no step finished within {self.timeout:g} s: "
+                      "another worker stalled (see --timeout)", file=sys.stderr, flush=True)
+                quit_now(1)
+
+
+def die_with_parent():
+    """Ask Linux to SIGTERM this worker if the launcher dies, even by SIGKILL."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def quit_now(code):
+    """Exit without Python's clean-up: a GPU may wait for ever on a peer that
+    is gone, and freeing its memory, or JAX's own exit, would wait with it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_worker(work, index, rundir, one_line_errors):
+    """Worker ``index`` of this launcher: ``work(args, rank, world, device,
+    rundir)`` with the request the launcher left in ``rundir``.  An error of
+    ``one_line_errors`` is said in one line, any other with its traceback."""
+    parent = os.getppid()
+    die_with_parent()
+    cli.install_stop_handler(request_stop)
+    with open(os.path.join(rundir, "config.json")) as f:
+        args = types.SimpleNamespace(**json.load(f))
+    rank, world = args.node_rank * len(args.devices) + index, args.nodes * len(args.devices)
+    code = 0
+    try:
+        work(args, rank, world, args.devices[index], rundir)
+    except Exception as e:
+        if stopping.is_set():  # asked to stop: what broke on the way out is no news
+            code = 128 + stopping.signum
+        elif isinstance(e, one_line_errors):
+            print(f"worker {rank}: error: {e}", file=sys.stderr)
+            code = 1
+        else:
+            traceback.print_exc()
+            code = 1
+    finally:
+        # Told to stop, or orphaned: the launcher may be dying too, and the
+        # files there are of no use to the peer any more (it has them open).
+        if stopping.is_set() or os.getppid() != parent:
+            shutil.rmtree(rundir, ignore_errors=True)
+    if code:
+        quit_now(code)
+    return 0

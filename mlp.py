@@ -11,8 +11,7 @@ logistic regression's input is the hidden layer's output:
 
 with shapes, for MNIST and 500 hidden units: ``x`` (n_examples, 784),
 ``W1`` (784, 500), ``b1`` (500,), ``W2`` (500, 10), ``b2`` (10,).  That is
-397,510 parameters, 1.59 MB in float32: what ``dual_mlp.py`` exchanges
-between its two workers after every step.
+397,510 parameters, 1.59 MB in float32.
 
 Run alone, this file trains one model on one process, as the tutorial did::
 
@@ -20,10 +19,7 @@ Run alone, this file trains one model on one process, as the tutorial did::
     THEANO_FLAGS=device=cuda0 python mlp.py      # on GPU 0, through PyTensor's JAX backend
 """
 import cli  # first: quiet Ctrl-C and closed pipes from the very start
-import datetime
-import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -34,6 +30,7 @@ import pytensor
 import pytensor.tensor as pt
 
 import datasets
+import records
 from logistic_sgd import LogisticRegression, load_data, minibatch
 
 
@@ -97,13 +94,10 @@ class Model:
     """
 
     def __init__(self, data, batch_size, n_hidden=500, learning_rate=0.01, L1_reg=0.0,
-                 L2_reg=0.0001, seed=1234, mode=None, replace=None):
+                 L2_reg=0.0001, seed=1234, mode=None):
         """
         :param data: the shared ``[(train_x, train_y), (valid_x, valid_y), (test_x, test_y)]``
         :param mode: PyTensor mode for every function (None: the flags' mode, "JAX": JAX)
-        :param replace: optional {parameter: expression} substituted for the
-            parameters inside the training step only (``dual_mlp.py`` folds
-            the weight averaging into the step with it)
         """
         (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = data
         self.n_train_batches = train_x.get_value(borrow=True).shape[0] // batch_size
@@ -124,7 +118,7 @@ class Model:
         self.train_model = pytensor.function(
             [index], cost, updates=updates, mode=mode,
             givens={x: minibatch(train_x, index, batch_size),
-                    y: minibatch(train_y, index, batch_size), **(replace or {})})
+                    y: minibatch(train_y, index, batch_size)})
         self.validate_model = pytensor.function([], classifier.errors(y), mode=mode,
                                                 givens={x: valid_x, y: valid_y})
         self.test_model = pytensor.function([], classifier.errors(y), mode=mode,
@@ -155,67 +149,9 @@ class Model:
         self.set_params(saved, put)
 
 
-class CheckpointError(Exception):
-    """A checkpoint that does not fit the model, with a one-line message."""
-
-
-# the training state a dual_mlp.py checkpoint holds beside the weights
-TRAINING_STATE = ("epoch", "best_validation_error", "test_error", "validation_errors")
-
-
-def save_checkpoint(path, params, best_params, **state):
-    """Write parameters and training state to an .npz file atomically: a run
-    killed while saving leaves the previous checkpoint intact."""
-    arrays = {f"params_{i}": p for i, p in enumerate(params)}
-    arrays.update({f"best_{i}": p for i, p in enumerate(best_params)})
-    arrays.update({k: np.asarray(v) for k, v in state.items()})
-    with datasets.atomic_write(path) as f:
-        np.savez(f, **arrays)
-
-
-def epoch_record(epoch, train_s, validation_error, test_error):
-    """One point of a run's learning curve (``--json``'s ``curve``): the
-    training seconds so far (no compile, no validation), the epoch's
-    validation error, and the test error of the best-validation model so far."""
-    return dict(epoch=epoch, train_s=train_s, validation_error=validation_error,
-                test_error=test_error)
-
-
 def parameter_shapes(n_in, n_hidden, n_out):
     """The shapes of ``MLP.params``: W and b of each layer."""
     return [(n_in, n_hidden), (n_hidden,), (n_hidden, n_out), (n_out,)]
-
-
-def load_checkpoint(path, shapes, state=("epoch",)):
-    """Read a checkpoint written by ``save_checkpoint`` for a model whose
-    parameters have ``shapes``, and check all of it: every parameter, its
-    best-validation twin, and the training ``state`` entries named.
-    Returns (params, best_params, state)."""
-    try:
-        with np.load(path) as f:
-            saved = {k: f[k] for k in f.files}
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint not found: {path}") from None
-    except Exception as e:
-        raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__})") from None
-    names = [f"{kind}_{i}" for kind in ("params", "best") for i in range(len(shapes))]
-    missing = [k for k in names + list(state) if k not in saved]
-    if missing:
-        whose = "dual_mlp.py" if "validation_errors" in state else "this script"
-        raise CheckpointError(f"{path}: not a {whose} checkpoint of this model: no "
-                              f"{', '.join(missing)}" + (" (mlp.py --save writes a final model, "
-                                                         "not a training state)"
-                                                         if names[0] in saved else ""))
-    arrays = [saved.pop(k) for k in names]
-    for name, v, shape in zip(names, arrays, shapes + shapes):
-        if v.shape != tuple(shape):
-            raise CheckpointError(f"{path}: {name} has shape {v.shape}, the model "
-                                  f"{tuple(shape)} (another --n-hidden?)")
-    values = {k: v.item() if v.ndim == 0 else v.tolist() for k, v in saved.items()}
-    if "validation_errors" in state and len(values["validation_errors"]) != values["epoch"]:
-        raise CheckpointError(f"{path}: {len(values['validation_errors'])} validation errors "
-                              f"for {values['epoch']} epochs: not a consistent checkpoint")
-    return arrays[:len(shapes)], arrays[len(shapes):], values
 
 
 def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, dataset=None,
@@ -224,8 +160,8 @@ def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, datase
     reduced to its core loop: train on every minibatch, validate after each
     epoch, keep the test error of the best-validation model.
 
-    :param device: None for PyTensor's default backend on the CPU, or an
-        ``exchange.JaxDevice`` (a GPU: ``THEANO_FLAGS=device=cuda0``)
+    :param device: None for PyTensor's default backend on the CPU, or a
+        ``devices.JaxDevice`` (a GPU: ``THEANO_FLAGS=device=cuda0``)
     """
     dataset, notice = datasets.resolve(dataset)
     if notice:
@@ -261,7 +197,7 @@ def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, datase
             best_validation_loss = this_validation_loss
             test_score = float(model.test_model())
             best_params = model.get_params()
-        curve.append(epoch_record(epoch, train_time, this_validation_loss, test_score))
+        curve.append(records.epoch_record(epoch, train_time, this_validation_loss, test_score))
     samples_per_s = n_epochs * n_train_batches * batch_size / train_time
     print(f"Optimization complete. Best validation score of {best_validation_loss * 100.:f} % "
           f"with test performance {test_score * 100.:f} %")
@@ -269,21 +205,20 @@ def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, datase
           f"({samples_per_s:,.0f} samples/s, {1e6 * train_time / n_epochs / n_train_batches:.0f} "
           "us per step; the compile and the validation not counted)")
     if save:
-        save_checkpoint(save, model.get_params(), best_params, epoch=n_epochs,
-                        best_validation_error=best_validation_loss, test_error=test_score)
+        records.save_checkpoint(save, model.get_params(), best_params, epoch=n_epochs,
+                                best_validation_error=best_validation_loss,
+                                test_error=test_score)
     if json_path:
         summary = dict(
-            command=shlex.join(["python", "mlp.py"] + sys.argv[1:]),
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            host=platform.node(), device=device.description if device else "cpu",
+            records.run_header(shlex.join(["python", "mlp.py"] + sys.argv[1:])),
+            device=device.description if device else "cpu",
             backend=cli.backend_name(mode), batch_size=batch_size,
             epochs_run=n_epochs, steps_per_epoch=n_train_batches, training_time_s=train_time,
             samples_per_s=samples_per_s,
-            step_us=dict(step=1e6 * train_time / n_epochs / n_train_batches),  # as dual_mlp.py's
+            step_us=dict(step=1e6 * train_time / n_epochs / n_train_batches),
             validation_errors=validation_losses, best_validation_error=best_validation_loss,
             test_error=test_score, curve=curve)
-        with datasets.atomic_write(json_path) as f:
-            f.write(json.dumps(summary, indent=2).encode())
+        records.write_json(json_path, summary)
     return best_validation_loss, test_score
 
 
@@ -294,7 +229,7 @@ def gpu_from_flags():
         return None
     os.environ.update(CUDA_VISIBLE_DEVICES=theano_flags.DEVICE[4:], JAX_PLATFORMS="cuda",
                       XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    from exchange import JaxDevice
+    from devices import JaxDevice
     try:
         return JaxDevice()
     except Exception as e:  # no JAX with CUDA, no such GPU

@@ -12,19 +12,21 @@ Each worker allocates with PyCUDA, once, and shares by CUDA IPC, once:
 
 * ``send``: two slots of the flat weights, used by step parity, so that a
   worker can publish step t+1 while its peer still copies step t;
-* ``flags``: three int32 counters, ``[steps begun here, last step the peer
-  published, last step the peer copied]``.  The peer writes the last two,
-  over NVLink, into this GPU's memory.
+* ``flags``: the counters of ``struct Flags`` (in ``KERNELS``): ``begun``,
+  the steps begun here, which only this GPU writes; ``peer_published`` and
+  ``peer_copied``, the last step the peer has published and the last it has
+  copied from our send buffer, which the PEER writes, over NVLink, into
+  this GPU's memory.
 
 The weights travel as one flat buffer (``exchange.Layout``).  After the
 training step of step t, five small kernels run on XLA's stream::
 
-    begin        t = ++flags[0]; wait until the peer has copied step t-2
-                 (it read send[t % 2] then; we are about to overwrite it)
-    copy         my new weights -> send[t % 2]                 (publish)
-    signal_wait  fence; peer.flags[1] = t; wait until flags[1] >= t
-    copy         peer.send[t % 2] -> this step's output         (copy)
-    copied       fence; peer.flags[2] = t; done = t   (``done``: in host memory)
+    begin        t = ++begun; wait until peer_copied >= t - 2
+                 (the peer read send[t % 2] then; we are about to overwrite it)
+    publish      my new weights -> send[t % 2]
+    signal_wait  fence; peer's peer_published = t; wait until peer_published >= t
+    fetch        peer's send[t % 2] -> this step's output
+    copied       fence; peer's peer_copied = t; done = t   (``done``: in host memory)
 
 and the average, (mine + peer's) / 2, is the first thing the next step
 computes (``dual_mlp.py`` folds it into the compiled step).
@@ -50,37 +52,52 @@ import numpy as np
 
 KERNELS = r"""
 extern "C" {
+// One worker's counters, in its GPU's memory.
+struct Flags {
+    int begun;           // steps begun here; only this GPU writes it
+    int peer_published;  // the last step the peer has published   (the peer writes it)
+    int peer_copied;     // the last step the peer has copied from our send buffer (likewise)
+};
+__device__ Flags flags_size;  // never used: its size, read at load, sizes the allocation
+
 __device__ int read(const int *p) { return *(volatile const int *)p; }
 
-__global__ void begin(int *flags) {
-    int t = flags[0] + 1;
-    flags[0] = t;
-    while (read(flags + 2) < t - 2) __nanosleep(64);
+// t = ++begun; wait until the peer has copied step t-2 out of send[t % 2]: we overwrite it next
+__global__ void begin(Flags *mine) {
+    int t = mine->begun + 1;
+    mine->begun = t;
+    while (read(&mine->peer_copied) < t - 2) __nanosleep(64);
 }
 
-// dst[i] = src[i] for i < n, with src and dst moved by the step's parity times
-// their slot strides: one kernel serves the publish and the copy.
-__global__ void copy(const int *flags, const float *src, long long src_slot,
-                     float *dst, long long dst_slot, long long n) {
-    long long parity = flags[0] & 1;
-    src += parity * src_slot;
-    dst += parity * dst_slot;
+__device__ void copy(const float *src, float *dst, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)blockDim.x * gridDim.x)
         dst[i] = src[i];
 }
 
-__global__ void signal_wait(int *flags, int *peer_flags) {
-    int t = flags[0];
-    __threadfence_system();  // our published weights before the signal
-    *(volatile int *)(peer_flags + 1) = t;
-    while (read(flags + 1) < t) __nanosleep(64);
+// my new weights -> send[t % 2]
+__global__ void publish(const Flags *mine, const float *weights, float *send, long long n) {
+    copy(weights, send + (mine->begun & 1) * n, n);
 }
 
-__global__ void copied(const int *flags, int *peer_flags, int *done) {
+// "published t" into the peer's counter; wait until the peer's says the same to us
+__global__ void signal_wait(const Flags *mine, Flags *peer) {
+    int t = mine->begun;
+    __threadfence_system();  // our published weights before the signal
+    *(volatile int *)&peer->peer_published = t;
+    while (read(&mine->peer_published) < t) __nanosleep(64);
+}
+
+// the peer's send[t % 2] -> this step's output (a peer-to-peer read, over NVLink)
+__global__ void fetch(const Flags *mine, const float *peer_send, float *received, long long n) {
+    copy(peer_send + (mine->begun & 1) * n, received, n);
+}
+
+// "copied t" into the peer's counter, and into host memory for our host
+__global__ void copied(const Flags *mine, Flags *peer, int *done) {
     __threadfence_system();  // our reads of the peer's slot before the signal
-    *(volatile int *)(peer_flags + 2) = flags[0];
-    *(volatile int *)done = flags[0];  // host memory: the host reads how far we are
+    *(volatile int *)&peer->peer_copied = mine->begun;
+    *(volatile int *)done = mine->begun;
 }
 }
 """
@@ -101,19 +118,20 @@ class StreamExchange:
         from cuda.bindings import driver as cu
         from pycuda.compiler import compile as compile_cuda
 
-        from exchange import nvcc
+        from devices import nvcc
 
         self.cu, self.drv, self.layout = cu, drv, layout
-        self.send = drv.mem_alloc(2 * layout.nbytes)
-        self.flags = drv.mem_alloc(4 * 4)
-        drv.memset_d32(self.flags, 0, 4)
-        self.done = drv.pagelocked_zeros(1, np.int32, mem_flags=drv.host_alloc_flags.DEVICEMAP)
         major, minor = drv.Device(0).compute_capability()
         cubin = compile_cuda(KERNELS, nvcc=nvcc(), arch=f"sm_{major}{minor}")
         self._image = np.frombuffer(cubin, np.uint8)  # must outlive the module
         self._module = self._check(cu.cuModuleLoadData(self._image.ctypes.data))
         self._kernel = {name: self._check(cu.cuModuleGetFunction(self._module, name.encode()))
-                        for name in ("begin", "copy", "signal_wait", "copied")}
+                        for name in ("begin", "publish", "signal_wait", "fetch", "copied")}
+        _, flags_bytes = self._check(cu.cuModuleGetGlobal(self._module, b"flags_size"))
+        self.send = drv.mem_alloc(2 * layout.nbytes)
+        self.flags = drv.mem_alloc(flags_bytes)
+        drv.memset_d8(self.flags, 0, flags_bytes)
+        self.done = drv.pagelocked_zeros(1, np.int32, mem_flags=drv.host_alloc_flags.DEVICEMAP)
         self.peer_send = self.peer_flags = None
         self.callbacks = 0
 
@@ -121,7 +139,7 @@ class StreamExchange:
         error, *value = result
         if error != self.cu.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"CUDA driver: {self.cu.cuGetErrorName(error)[1].decode()}")
-        return value[0] if value else None
+        return (value[0] if len(value) == 1 else value) if value else None
 
     def steps_done(self):
         """The last step whose exchange this GPU has finished."""
@@ -147,8 +165,9 @@ class StreamExchange:
 
     def _launch(self, stream, name, *args):
         """Enqueue kernel ``name`` on XLA's stream; ``args`` are pointers (int)
-        and element counts (``np.int64``)."""
-        grid, block = (COPY_GRID, COPY_BLOCK) if name == "copy" else (1, 1)
+        and element counts (``np.int64``).  The copies spread over the GPU,
+        the signals are one thread each."""
+        grid, block = (COPY_GRID, COPY_BLOCK) if name in ("publish", "fetch") else (1, 1)
         types = [ctypes.c_longlong if isinstance(a, np.int64) else ctypes.c_void_p for a in args]
         self._check(self.cu.cuLaunchKernel(self._kernel[name], grid, 1, 1, block, 1, 1, 0,
                                            self.cu.CUstream(stream), (args, tuple(types)), 0))
@@ -157,13 +176,13 @@ class StreamExchange:
         """XLA's callback: enqueue the exchange of one step on ``ctx.stream``.
         Runs once per step, or only when XLA captures it anew (new buffers)."""
         self.callbacks += 1
-        flags, peer_flags, n = int(self.flags), int(self.peer_flags), np.int64(self.layout.size)
+        mine, peer, n = int(self.flags), int(self.peer_flags), np.int64(self.layout.size)
         launch = functools.partial(self._launch, ctx.stream)
-        launch("begin", flags)
-        launch("copy", flags, address(new), np.int64(0), int(self.send), n, n)  # into send[t % 2]
-        launch("signal_wait", flags, peer_flags)
-        launch("copy", flags, int(self.peer_send), n, address(out[0]), np.int64(0), n)  # its copy
-        launch("copied", flags, peer_flags, int(self.done.base.get_device_pointer()))
+        launch("begin", mine)
+        launch("publish", mine, address(new), int(self.send), n)
+        launch("signal_wait", mine, peer)
+        launch("fetch", mine, int(self.peer_send), address(out[0]), n)
+        launch("copied", mine, peer, int(self.done.base.get_device_pointer()))
 
     def close(self):
         for handle in (self.peer_send, self.peer_flags):

@@ -97,7 +97,8 @@ def primary_context(drv, index):
 def owner(args):
     """Process 1: holds the source buffer and shares it by CUDA IPC."""
     import pycuda.driver as drv
-    from exchange import Peer, stopping
+    from exchange import Peer
+    from launcher import stopping
     drv.init()
     context = primary_context(drv, 0)
     src = gpu_memory(drv, (args.max_mb << 20) + 4, fill=True)
@@ -114,7 +115,8 @@ def owner(args):
 def reader(args):
     """Process 2: opens the owner's buffer and times copies out of it."""
     import pycuda.driver as drv
-    from exchange import Peer, stopping
+    from exchange import Peer
+    from launcher import stopping
     drv.init()
     context = primary_context(drv, 0)
     peer = Peer(args.rundir, 1, args.timeout, stopping)

@@ -29,12 +29,12 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")  # one GPU, as a worker sees 
 from common import RESULTS, ROOT, record
 
 sys.path.insert(0, ROOT)
-import dual_mlp  # noqa: E402  (first: the flags, before PyTensor)
+import theano_flags  # noqa: E402,F401  (first: the flags, before PyTensor)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mlp  # noqa: E402
-from exchange import JaxDevice  # noqa: E402
+from devices import JaxDevice, jax_train_step, storage  # noqa: E402
 from logistic_sgd import load_data  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def main():
     model.warm_up(put=device.put)
     n = model.n_train_batches
     f = model.train_model
-    train, data = dual_mlp.jax_step(model)
+    train, data = jax_train_step(model)
     indices = [device.put(np.int32(i)) for i in range(n)]
     t = 0
 
@@ -75,7 +75,7 @@ def main():
         t += 1
         return f(t % n)
 
-    params = [dual_mlp.storage(p) for p in model.params]
+    params = [storage(p) for p in model.params]
 
     def jit_fn_call():
         nonlocal t, params

@@ -35,18 +35,18 @@ def pytensor_step(dataset, batch, device):
     ``dual_mlp.py --sync gpu`` calls it (less the exchange)."""
     import jax
     import jax.numpy as jnp
-    import dual_mlp
     import logistic_sgd
     import mlp
+    from devices import jax_train_step, storage
     model = mlp.Model(logistic_sgd.load_data(dataset, put=device.put), batch, mode="JAX")
-    train, data = dual_mlp.jax_step(model)
+    train, data = jax_train_step(model)
     n = model.n_train_batches
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(counter, params):
         return counter + 1, train(counter % n, data, params)[1]
     # copies: the model keeps its own weights
-    return step, (device.put(np.int32(0)), [jnp.array(dual_mlp.storage(p)) for p in model.params])
+    return step, (device.put(np.int32(0)), [jnp.array(storage(p)) for p in model.params])
 
 
 def kernels(run, synchronize, cpu):
@@ -89,7 +89,7 @@ def main():
     import theano_flags  # noqa: F401  (float32, as the scripts run)
     import jax
     import references
-    from exchange import JaxDevice
+    from devices import JaxDevice
     device = JaxDevice()
 
     step, state = pytensor_step(args.dataset, args.batch, device)

@@ -1,18 +1,26 @@
 """Shared helpers: the tests run the real scripts as real processes."""
 import atexit
+import gzip
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 FASHION = Path(os.environ.get("FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
+
+import datasets  # noqa: E402
+import mlp  # noqa: E402
+
+SHAPES = mlp.parameter_shapes(784, 500, 10)  # the demo's model: its checkpoints hold these
 
 
 def script(name, *args, env=None, timeout=600, cwd=ROOT):
@@ -101,3 +109,87 @@ def no_leftovers():
     time.sleep(0.2)
     assert leftover_workers() == []
     assert run_directories() - before == set(), "run directory not removed"
+
+
+# -- runs: wait for them, stop them
+
+def wait_until_training(proc, timeout=120):
+    """Read the launcher's output until worker 0 says it is training."""
+    for line in proc.stdout:
+        if line.startswith("... training"):
+            return
+    raise AssertionError(f"run ended before training: {proc.stderr.read()}")
+
+
+def finish(proc, timeout):
+    """Wait for the launcher; returns (exit code, seconds it took, stderr)."""
+    start = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except Exception:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"launcher still running after {timeout} s")
+    return proc.returncode, time.monotonic() - start, err
+
+
+def kill_one_worker(proc, index, device, timeout=10):
+    """SIGKILL worker ``index`` of a training run: the launcher must stop within
+    ``timeout`` naming it, and every other worker must be gone.  Returns the
+    seconds the launcher took."""
+    workers = workers_of(proc)
+    workers[index].send_signal(signal.SIGKILL)
+    code, took, err = finish(proc, timeout)
+    assert code == 1 and f"worker {index} (device {device}) failed: killed by SIGKILL" in err
+    wait_for(lambda: not any(w.is_running() and w.status() != "zombie" for w in workers), 5,
+             "the other workers to exit")
+    return took
+
+
+# -- data sets, good and bad
+
+def splits(n=(30, 20, 20), seed=0):
+    rng = np.random.RandomState(seed)
+    return tuple((rng.rand(k, 784).astype(np.float32), rng.randint(0, 10, k)) for k in n)
+
+
+def idx_folder(folder, n_train=10050, n_test=40):
+    rng = np.random.RandomState(0)
+    images = {"train": rng.randint(0, 256, (n_train, 28, 28)),
+              "t10k": rng.randint(0, 256, (n_test, 28, 28))}
+    labels = {"train": rng.randint(0, 10, n_train), "t10k": rng.randint(0, 10, n_test)}
+    for kind in ("train", "t10k"):
+        datasets.write_idx(str(folder / f"{kind}-images-idx3-ubyte.gz"), images[kind])
+        datasets.write_idx(str(folder / f"{kind}-labels-idx1-ubyte.gz"), labels[kind])
+    return images, labels
+
+
+def corrupt_cases(tmp_path):
+    """(path, words the error must contain) for each kind of bad data set."""
+    good = gzip.compress(pickle.dumps(splits(), protocol=2))
+    cases = {}
+
+    def file(name, content):
+        path = tmp_path / name
+        path.write_bytes(content)
+        return str(path)
+    cases["not gzip"] = (file("plain.pkl.gz", pickle.dumps(splits())), "not a gzip file")
+    cases["truncated"] = (file("cut.pkl.gz", good[:len(good) // 2]), "truncated")
+    cases["structure"] = (file("two.pkl.gz", gzip.compress(pickle.dumps(splits()[:2]))),
+                          "expected ((train_x")
+    bad = list(splits())
+    bad[1] = (bad[1][0], bad[1][1] + 10)
+    cases["labels"] = (file("labels.pkl.gz", gzip.compress(pickle.dumps(tuple(bad)))),
+                       "labels must be integers in 0..9")
+    bad = list(splits())
+    bad[0] = (bad[0][0], bad[0][1][:-1])
+    cases["counts"] = (file("counts.pkl.gz", gzip.compress(pickle.dumps(tuple(bad)))),
+                       "30 images but 29 labels")
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    idx_folder(folder)
+    raw = gzip.decompress((folder / "t10k-images-idx3-ubyte.gz").read_bytes())
+    (folder / "t10k-images-idx3-ubyte.gz").write_bytes(gzip.compress(raw[:-784]))
+    cases["idx header"] = (str(folder), "IDX header says")
+    cases["missing"] = (str(tmp_path / "nothing-here"), "not found")
+    return cases

@@ -12,8 +12,10 @@ import threading
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
+import exchange  # noqa: E402
 import mlp  # noqa: E402
-from exchange import CudaDevice, Layout, Peer  # noqa: E402
+from devices import CudaDevice  # noqa: E402
+from exchange import Layout, Peer  # noqa: E402
 
 
 def arrays(rank, round_):
@@ -25,7 +27,7 @@ def main():
     rank, rundir, gpu = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     device = CudaDevice(gpu)  # started with CUDA_VISIBLE_DEVICES=gpu, as a worker is
     layout = Layout(mlp.parameter_shapes(784, 500, 10), np.float32)
-    transport = device.transport(rundir, rank, layout, "--staged" in sys.argv)
+    transport = exchange.transport(device, rundir, rank, layout, "--staged" in sys.argv)
     peer = Peer(rundir, rank, 60, threading.Event())
     try:
         transport.connect(peer.exchange(transport.handle()))

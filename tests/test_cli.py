@@ -14,10 +14,8 @@ import pytest
 
 import cli
 import mlp
-from conftest import ROOT, dual, script, start_dual, wait_for
-from test_faults import finish, wait_until_training
-
-SHAPES = mlp.parameter_shapes(784, 500, 10)
+import records
+from conftest import SHAPES, ROOT, dual, finish, script, start_dual, wait_for, wait_until_training
 
 
 @contextlib.contextmanager
@@ -83,8 +81,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_prints_the_summary(tmp_pa
         assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
         assert out.stderr.count("could not write") == 2
         assert "(No space left on device): the previous one is kept" in out.stderr
-        _, _, state = mlp.load_checkpoint(str(disk / "m.npz"), mlp.parameter_shapes(784, 10, 10),
-                                          mlp.TRAINING_STATE)
+        _, _, state = records.load_checkpoint(str(disk / "m.npz"), mlp.parameter_shapes(784, 10, 10),
+                                          records.TRAINING_STATE)
         assert state["epoch"] == 1  # the first, intact
         fill(disk)
         out = dual("cpu", "cpu", "--epochs", 1, "--json", disk / "run.json")
@@ -100,10 +98,10 @@ def test_resume_refuses_a_file_of_another_script_naming_what_is_missing(tmp_path
     one_line_error(dual("cpu", "cpu", "--resume", tmp_path / "final.npz"),
                    "not a dual_mlp.py checkpoint", "validation_errors", "mlp.py --save")
     params = [np.zeros(s, np.float32) for s in SHAPES]
-    mlp.save_checkpoint(str(tmp_path / "odd.npz"), params, params[:3], epoch=1,
+    records.save_checkpoint(str(tmp_path / "odd.npz"), params, params[:3], epoch=1,
                         best_validation_error=0.1, test_error=0.1, validation_errors=[0.1])
     one_line_error(dual("cpu", "cpu", "--resume", tmp_path / "odd.npz"), "no best_3")
-    mlp.save_checkpoint(str(tmp_path / "wide.npz"), params, params, epoch=1,
+    records.save_checkpoint(str(tmp_path / "wide.npz"), params, params, epoch=1,
                         best_validation_error=0.1, test_error=0.1, validation_errors=[0.1])
     one_line_error(dual("cpu", "cpu", "--n-hidden", 20, "--resume", tmp_path / "wide.npz"),
                    "params_0 has shape (784, 500), the model (784, 20)")
@@ -151,7 +149,7 @@ def test_sigterm_to_the_launcher_stops_all_in_one_line_and_keeps_the_checkpoint(
     code, took, err = finish(proc, timeout=10)
     assert code == 143 and took < 5
     assert err.strip().splitlines() == [f"interrupted (SIGTERM); last checkpoint kept in {ckpt}"]
-    assert mlp.load_checkpoint(str(ckpt), SHAPES, mlp.TRAINING_STATE)[2]["epoch"] >= 1
+    assert records.load_checkpoint(str(ckpt), SHAPES, records.TRAINING_STATE)[2]["epoch"] >= 1
 
 
 @pytest.mark.parametrize("name", ["dual_mlp.py", "mlp.py"])

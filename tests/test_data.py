@@ -8,12 +8,7 @@ import numpy as np
 import pytest
 
 import datasets
-from conftest import FASHION
-
-
-def splits(n=(30, 20, 20), seed=0):
-    rng = np.random.RandomState(seed)
-    return tuple((rng.rand(k, 784).astype(np.float32), rng.randint(0, 10, k)) for k in n)
+from conftest import FASHION, corrupt_cases, idx_folder, splits
 
 
 class Python2Pickler(pickle._Pickler):
@@ -54,17 +49,6 @@ def test_python2_pickle_loads(tmp_path):
         np.testing.assert_array_equal(y, y0)
 
 
-def idx_folder(folder, n_train=10050, n_test=40):
-    rng = np.random.RandomState(0)
-    images = {"train": rng.randint(0, 256, (n_train, 28, 28)),
-              "t10k": rng.randint(0, 256, (n_test, 28, 28))}
-    labels = {"train": rng.randint(0, 10, n_train), "t10k": rng.randint(0, 10, n_test)}
-    for kind in ("train", "t10k"):
-        datasets.write_idx(str(folder / f"{kind}-images-idx3-ubyte.gz"), images[kind])
-        datasets.write_idx(str(folder / f"{kind}-labels-idx1-ubyte.gz"), labels[kind])
-    return images, labels
-
-
 def test_idx_folder_loads_with_the_last_10000_training_images_for_validation(tmp_path):
     images, labels = idx_folder(tmp_path)
     (tx, ty), (vx, vy), (sx, sy) = datasets.read(str(tmp_path))
@@ -98,37 +82,6 @@ def test_download_would_verify_the_published_checksums():
     checksum table must name the four files it converts."""
     assert sorted(datasets.MNIST_MD5) == sorted(datasets.IDX_FILES)
     assert all(len(h) == 32 for h in datasets.MNIST_MD5.values())
-
-
-def corrupt_cases(tmp_path):
-    """(path, words the error must contain) for each kind of bad data set."""
-    good = gzip.compress(pickle.dumps(splits(), protocol=2))
-    cases = {}
-
-    def file(name, content):
-        path = tmp_path / name
-        path.write_bytes(content)
-        return str(path)
-    cases["not gzip"] = (file("plain.pkl.gz", pickle.dumps(splits())), "not a gzip file")
-    cases["truncated"] = (file("cut.pkl.gz", good[:len(good) // 2]), "truncated")
-    cases["structure"] = (file("two.pkl.gz", gzip.compress(pickle.dumps(splits()[:2]))),
-                          "expected ((train_x")
-    bad = list(splits())
-    bad[1] = (bad[1][0], bad[1][1] + 10)
-    cases["labels"] = (file("labels.pkl.gz", gzip.compress(pickle.dumps(tuple(bad)))),
-                       "labels must be integers in 0..9")
-    bad = list(splits())
-    bad[0] = (bad[0][0], bad[0][1][:-1])
-    cases["counts"] = (file("counts.pkl.gz", gzip.compress(pickle.dumps(tuple(bad)))),
-                       "30 images but 29 labels")
-    folder = tmp_path / "idx"
-    folder.mkdir()
-    idx_folder(folder)
-    raw = gzip.decompress((folder / "t10k-images-idx3-ubyte.gz").read_bytes())
-    (folder / "t10k-images-idx3-ubyte.gz").write_bytes(gzip.compress(raw[:-784]))
-    cases["idx header"] = (str(folder), "IDX header says")
-    cases["missing"] = (str(tmp_path / "nothing-here"), "not found")
-    return cases
 
 
 def test_every_corrupt_data_set_raises_a_one_line_error(tmp_path):

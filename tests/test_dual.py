@@ -7,14 +7,13 @@ import pytest
 
 import datasets
 import mlp
+import records
 from logistic_sgd import load_data
-from conftest import FASHION, dual, script
-
-SHAPES = mlp.parameter_shapes(784, 500, 10)
+from conftest import FASHION, SHAPES, dual, script
 
 
 def load(path):
-    return mlp.load_checkpoint(str(path), SHAPES)
+    return records.load_checkpoint(str(path), SHAPES)
 
 
 def test_two_workers_equal_one_process_with_twice_the_batch(tmp_path):

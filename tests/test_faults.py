@@ -9,45 +9,10 @@ import numpy as np
 import pytest
 
 import datasets
-import mlp
-from conftest import dual, run_directories, start_dual, wait_for, workers_of
+import records
+from conftest import (SHAPES, corrupt_cases, dual, finish, kill_one_worker, run_directories,
+                      start_dual, wait_for, wait_until_training, workers_of)
 from launcher import usable_gpus
-from test_data import corrupt_cases
-
-SHAPES = mlp.parameter_shapes(784, 500, 10)
-
-
-def wait_until_training(proc, timeout=120):
-    """Read the launcher's output until worker 0 says it is training."""
-    for line in proc.stdout:
-        if line.startswith("... training"):
-            return
-    raise AssertionError(f"run ended before training: {proc.stderr.read()}")
-
-
-def finish(proc, timeout):
-    """Wait for the launcher; returns (exit code, seconds it took, stderr)."""
-    start = time.monotonic()
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except Exception:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise AssertionError(f"launcher still running after {timeout} s")
-    return proc.returncode, time.monotonic() - start, err
-
-
-def kill_one_worker(proc, index, device, timeout=10):
-    """SIGKILL worker ``index`` of a training run: the launcher must stop within
-    ``timeout`` naming it, and every other worker must be gone.  Returns the
-    seconds the launcher took."""
-    workers = workers_of(proc)
-    workers[index].send_signal(signal.SIGKILL)
-    code, took, err = finish(proc, timeout)
-    assert code == 1 and f"worker {index} (device {device}) failed: killed by SIGKILL" in err
-    wait_for(lambda: not any(w.is_running() and w.status() != "zombie" for w in workers), 5,
-             "the other workers to exit")
-    return took
 
 
 @pytest.mark.parametrize("fault,cause", [
@@ -97,7 +62,7 @@ def test_ctrl_c_stops_everything_and_keeps_the_checkpoint(tmp_path, no_leftovers
     assert code == 130 and took < 5
     assert f"interrupted (SIGINT); last checkpoint kept in {ckpt}" in err
     assert "Traceback" not in err
-    _, _, state = mlp.load_checkpoint(str(ckpt), SHAPES)
+    _, _, state = records.load_checkpoint(str(ckpt), SHAPES)
     assert state["epoch"] >= 1
 
 
@@ -163,7 +128,7 @@ def test_bad_input_gets_one_line_exit_2_and_starts_nothing(tmp_path, no_leftover
 def test_checkpoint_writes_are_atomic(tmp_path):
     path = tmp_path / "m.npz"
     params = [np.full(s, 1.0, np.float32) for s in SHAPES]
-    mlp.save_checkpoint(str(path), params, params, epoch=1)
+    records.save_checkpoint(str(path), params, params, epoch=1)
 
     class Crash(Exception):
         pass
@@ -171,7 +136,7 @@ def test_checkpoint_writes_are_atomic(tmp_path):
         with datasets.atomic_write(str(path)) as f:
             f.write(b"half a checkpoint")
             raise Crash
-    current, _, state = mlp.load_checkpoint(str(path), SHAPES)
+    current, _, state = records.load_checkpoint(str(path), SHAPES)
     assert state["epoch"] == 1 and all((p == 1.0).all() for p in current)
     assert os.listdir(tmp_path) == ["m.npz"]  # no temporary file left behind
 
@@ -186,7 +151,7 @@ def test_a_run_killed_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):
         time.sleep(delay)
         os.killpg(proc.pid, signal.SIGKILL)  # launcher and workers at once, mid-write maybe
         proc.communicate()
-        _, _, state = mlp.load_checkpoint(str(ckpt), SHAPES)
+        _, _, state = records.load_checkpoint(str(ckpt), SHAPES)
         assert state["epoch"] >= 1
         # a write cut short leaves at most its hidden temporary beside the checkpoint
         assert all(p.name == "m.npz" or p.name.startswith(".m.npz.") for p in tmp_path.iterdir())
@@ -204,8 +169,8 @@ def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(tmp_path
     assert out.returncode == 0, out.stderr
     assert "resumed from" in out.stdout and "epoch 3/4:" in out.stdout
     assert "epoch 1/4:" not in out.stdout
-    full, full_best, full_state = mlp.load_checkpoint(str(tmp_path / "full.npz"), SHAPES)
-    resumed, res_best, res_state = mlp.load_checkpoint(str(tmp_path / "resumed.npz"), SHAPES)
+    full, full_best, full_state = records.load_checkpoint(str(tmp_path / "full.npz"), SHAPES)
+    resumed, res_best, res_state = records.load_checkpoint(str(tmp_path / "resumed.npz"), SHAPES)
     for a, b in zip(full + full_best, resumed + res_best):
         np.testing.assert_array_equal(a, b)
     assert full_state == res_state
@@ -221,7 +186,8 @@ def test_the_last_message_before_a_close_is_delivered(tmp_path):
 
     import numpy as np
 
-    from exchange import Peer, StopRequest
+    from exchange import Peer
+    from launcher import StopRequest
     big = np.arange(16 << 20, dtype=np.float32)  # 64 MB: still in flight at the close
     got = {}
 

@@ -11,16 +11,15 @@ import time
 import numpy as np
 import pytest
 
-import mlp
-from conftest import FASHION, ROOT, dual, start_dual, wait_for, workers_of
+import records
+from conftest import (FASHION, ROOT, SHAPES, dual, finish, kill_one_worker, start_dual, wait_for,
+                      wait_until_training, workers_of)
 from launcher import usable_gpus, worker_environment
-from test_faults import finish, kill_one_worker, wait_until_training
 
 N_GPUS = usable_gpus()[0]
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(N_GPUS == 0, reason="no usable GPU (PyCUDA + JAX with CUDA)")]
 PAIR = ["0", "1"] if N_GPUS >= 2 else ["0", "0"]
-SHAPES = mlp.parameter_shapes(784, 500, 10)
 
 
 def run_json(tmp_path, name, *args, env=None):
@@ -53,8 +52,8 @@ def test_replicas_identical_and_following_the_cpu_path(tmp_path, avg):
     assert gpu["backend"] == "JAXLinker" and gpu["sync"] == "host"
     assert gpu["route"] == f"CUDA IPC, peer to peer, ordered by the host, --avg {avg}"
     np.testing.assert_allclose(gpu["validation_errors"], cpu["validation_errors"], atol=0.003)
-    for a, b in zip(mlp.load_checkpoint(str(tmp_path / "gpu.npz"), SHAPES)[0],
-                    mlp.load_checkpoint(str(tmp_path / "cpu.npz"), SHAPES)[0]):
+    for a, b in zip(records.load_checkpoint(str(tmp_path / "gpu.npz"), SHAPES)[0],
+                    records.load_checkpoint(str(tmp_path / "cpu.npz"), SHAPES)[0]):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
 
 
@@ -74,8 +73,8 @@ def test_forced_fallback_through_host_gives_the_same_weights(tmp_path):
     assert "notice: the exchange is ordered by the host (--sync host): --staged" in out.stdout
     # the same numbers moved another way; XLA's GPU reductions are not bitwise
     # repeatable from run to run, so equal to float32 rounding, not to the bit
-    for a, b in zip(mlp.load_checkpoint(str(tmp_path / "staged.npz"), SHAPES)[0],
-                    mlp.load_checkpoint(str(tmp_path / "direct.npz"), SHAPES)[0]):
+    for a, b in zip(records.load_checkpoint(str(tmp_path / "staged.npz"), SHAPES)[0],
+                    records.load_checkpoint(str(tmp_path / "direct.npz"), SHAPES)[0]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
@@ -135,8 +134,8 @@ def test_gpu_ordered_exchange_keeps_replicas_identical_and_follows_the_host_orde
     assert gpu["sync"] == "gpu" and "ordered by the GPUs" in out.stdout
     assert gpu["max_replica_diff"] == 0.0
     np.testing.assert_allclose(gpu["validation_errors"], host["validation_errors"], atol=0.003)
-    for a, b in zip(mlp.load_checkpoint(str(tmp_path / "gpu.npz"), SHAPES)[0],
-                    mlp.load_checkpoint(str(tmp_path / "host.npz"), SHAPES)[0]):
+    for a, b in zip(records.load_checkpoint(str(tmp_path / "gpu.npz"), SHAPES)[0],
+                    records.load_checkpoint(str(tmp_path / "host.npz"), SHAPES)[0]):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
     print(f"exchange callbacks run: {gpu['exchange_callbacks']} in "
           f"{gpu['epochs_run'] * gpu['steps_per_epoch']} steps")
@@ -175,4 +174,4 @@ def test_gpu_ordered_run_killed_or_stalled_or_interrupted_stops(tmp_path, no_lef
     os.killpg(proc.pid, signal.SIGINT)
     code, took, err = finish(proc, timeout=10)
     assert code == 130 and f"last checkpoint kept in {ckpt}" in err and "Traceback" not in err
-    assert mlp.load_checkpoint(str(ckpt), SHAPES, mlp.TRAINING_STATE)[2]["epoch"] >= 1
+    assert records.load_checkpoint(str(ckpt), SHAPES, records.TRAINING_STATE)[2]["epoch"] >= 1

@@ -109,7 +109,7 @@ def test_after_the_warm_up_the_jax_step_does_not_compile_again():
     import logging
 
     import jax
-    from exchange import JaxDevice
+    from devices import JaxDevice
     device = JaxDevice()
     model = mlp.Model(load_data(datasets.SHIPPED, put=device.put), 20, mode="JAX")
     model.warm_up(put=device.put)
@@ -135,7 +135,7 @@ def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_wei
     PyTensor's own SGD step.  The CUDA side runs in the GPU tests."""
     import dual_mlp
     import stream_exchange
-    from exchange import JaxDevice, Layout
+    from devices import JaxDevice
 
     class EchoExchange:
         callbacks = 0
@@ -151,11 +151,9 @@ def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_wei
     model = mlp.Model(load_data(datasets.SHIPPED, put=device.put), 100, learning_rate=0.1,
                       mode="JAX")
     model.warm_up(put=device.put)
-    layout = Layout([p.get_value().shape for p in model.params], "float32")
     start = model.get_params()
-    args = types.SimpleNamespace(check=False, timeout=30)
     no_peer = types.SimpleNamespace(gather=None, barrier=lambda: None)
-    trainer, _ = dual_mlp.gpu_ordered(0, 1, model, device, layout, no_peer, args)
+    trainer = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, timeout=30)
     trainer.done = lambda step: True  # no counter in host memory without the CUDA side
     trainer.epoch(5)
     for i in range(5):

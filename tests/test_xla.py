@@ -10,11 +10,9 @@ import socket
 import numpy as np
 import pytest
 
-import mlp
-from conftest import dual, leftover_workers, run_directories, start_dual, wait_for, workers_of
-from test_faults import finish, kill_one_worker, wait_until_training
-
-SHAPES = mlp.parameter_shapes(784, 500, 10)
+import records
+from conftest import (SHAPES, dual, finish, kill_one_worker, leftover_workers, run_directories,
+                      start_dual, wait_for, wait_until_training, workers_of)
 
 
 def free_port():
@@ -31,7 +29,7 @@ def run(tmp_path, name, *args, **kw):
 
 
 def weights(tmp_path, name):
-    return mlp.load_checkpoint(str(tmp_path / f"{name}.npz"), SHAPES)[0]
+    return records.load_checkpoint(str(tmp_path / f"{name}.npz"), SHAPES)[0]
 
 
 def test_three_workers_equal_two_at_the_same_total_batch(tmp_path):
@@ -127,8 +125,8 @@ def test_resumed_three_worker_run_equals_an_uninterrupted_one(tmp_path):
     run(tmp_path, "half", *common, "--epochs", 1)
     _, out = run(tmp_path, "resumed", *common, "--epochs", 3, "--resume", tmp_path / "half.npz")
     assert "resumed from" in out.stdout and "epoch 1/3:" not in out.stdout
-    full = mlp.load_checkpoint(str(tmp_path / "full.npz"), SHAPES, mlp.TRAINING_STATE)
-    resumed = mlp.load_checkpoint(str(tmp_path / "resumed.npz"), SHAPES, mlp.TRAINING_STATE)
+    full = records.load_checkpoint(str(tmp_path / "full.npz"), SHAPES, records.TRAINING_STATE)
+    resumed = records.load_checkpoint(str(tmp_path / "resumed.npz"), SHAPES, records.TRAINING_STATE)
     for a, b in zip(full[0] + full[1], resumed[0] + resumed[1]):
         np.testing.assert_array_equal(a, b)
     assert full[2] == resumed[2]

@@ -1,0 +1,190 @@
+"""Where a worker's arrays live, and how its compiled step is called there.
+
+``HostDevice``
+    the CPU with PyTensor's default backend: NumPy arrays.
+``JaxDevice``
+    PyTensor's JAX backend on the one JAX device this process sees: its GPU,
+    or the CPU (``--exchange xla`` on CPUs).
+``CudaDevice``
+    a GPU.  PyCUDA works on the same memory as JAX, through the device's
+    primary context (the one JAX uses): pointers from JAX arrays are valid
+    in PyCUDA, and the reverse.
+
+A PyTensor shared variable holds its array in ``container.storage[0]``.
+``storage`` reads it and ``place`` sets it without ``set_value``'s copy
+back to NumPy, so that data and weights stay on the device: a shared
+variable holding a NumPy array is sent to the GPU again at every call.
+"""
+import platform
+import shutil
+import warnings
+
+import numpy as np
+
+
+def storage(shared):
+    """The array a shared variable holds now (a jax.Array under JAX)."""
+    return shared.container.storage[0]
+
+
+def place(shared, value):
+    """Set a shared variable's array without a copy back to NumPy (set_value
+    would make one), so device arrays stay on the device."""
+    shared.container.storage[0] = value
+
+
+def open_device(dev, jax_on_cpu=False):
+    """The device of ``dev`` (a GPU index as a string, or 'cpu')."""
+    if dev != "cpu":
+        return CudaDevice(int(dev))
+    return JaxDevice() if jax_on_cpu else HostDevice()
+
+
+class HostDevice:
+    """A worker on the CPU: PyTensor's default backend, NumPy arrays."""
+
+    name = "cpu"
+    mode = None  # the mode of PYTENSOR_FLAGS / THEANO_FLAGS
+    spin = 0.0
+    description = platform.processor() or platform.machine()
+
+    def put(self, array):
+        return np.array(array)
+
+    def to_host(self, value):
+        return np.asarray(value)
+
+    def wait(self, values):
+        pass  # NumPy work is done when the call returns
+
+    def average_in_place(self, arrays, recv, layout):
+        """``--avg pycuda`` on the CPU: the direct array operation, in place."""
+        for mine, theirs in zip(arrays, layout.views(recv)):
+            np.add(mine, theirs, out=mine)
+            mine *= 0.5
+
+    def close(self):
+        pass
+
+
+class JaxDevice:
+    """A worker whose graph PyTensor compiles with its JAX backend, on the one
+    JAX device this process sees (its GPU, or the CPU for ``--exchange xla``
+    on CPUs)."""
+
+    mode = "JAX"
+    spin = 0.0
+
+    def __init__(self):
+        import jax
+        self.jax = jax
+        # PyTensor's JAX backend drops shape assertions and float64 casts (JAX
+        # runs 32-bit); it says so once per compiled graph, harmlessly
+        warnings.filterwarnings("ignore", "Skipping Assert")
+        warnings.filterwarnings("ignore", "Explicitly requested dtype")
+        # full float32 matrix products (JAX may otherwise round them to TF32),
+        # so that the GPU path follows the CPU path's numbers
+        jax.config.update("jax_default_matmul_precision", "highest")
+        (self.jax_device,) = jax.local_devices()  # creates JAX's context on our GPU
+        self.name = f"{self.jax_device.platform}{self.jax_device.id}"
+        self.description = self.jax_device.device_kind
+
+    def put(self, array):
+        return self.jax.device_put(np.asarray(array), self.jax_device)
+
+    def to_host(self, value):
+        return np.array(value)
+
+    def wait(self, values):
+        self.jax.block_until_ready(values)
+
+    def close(self):
+        pass
+
+
+class CudaDevice(JaxDevice):
+    """A worker bound to one GPU.
+
+    The launcher started this process with ``CUDA_VISIBLE_DEVICES`` naming
+    only its GPU, so JAX and PyCUDA both see it as device 0 and this process
+    takes no memory on any other GPU.  (A CUDA IPC handle still opens memory
+    of a GPU the process cannot see.)
+    """
+
+    spin = 0.002
+
+    def __init__(self, index):
+        super().__init__()
+        import pycuda.driver as drv
+        from pycuda.compiler import SourceModule
+
+        self.drv, self.name = drv, f"cuda{index}"
+        drv.init()
+        self.description = drv.Device(0).name()
+        self.context = drv.Device(0).retain_primary_context()
+        self.context.push()
+        self.stream = drv.Stream()
+        # One small kernel, launched once per parameter: mine = (mine + peer) / 2.
+        self._average = SourceModule(nvcc=nvcc(), source="""
+            __global__ void average(float *mine, const float *peer, unsigned n) {
+                for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+                     i += blockDim.x * gridDim.x)
+                    mine[i] = 0.5f * (mine[i] + peer[i]);
+            }""").get_function("average")
+        self._average.prepare("PPI")
+
+    def to_host(self, value):
+        """A fresh host copy.  Not np.asarray: a jax.Array caches its first host
+        copy, and PyCUDA writes the receive buffer behind JAX's back."""
+        self.jax.block_until_ready(value)
+        host = np.empty(value.shape, value.dtype)
+        self.drv.memcpy_dtoh(host, self.pointer(value))
+        return host
+
+    @staticmethod
+    def pointer(array):
+        return array.unsafe_buffer_pointer()
+
+    def average_in_place(self, arrays, recv, layout):
+        """``--avg pycuda``: the kernel, in place on the buffers JAX handed
+        back; safe because nothing else holds them and we wait for it."""
+        base, itemsize = self.pointer(recv), layout.dtype.itemsize
+        for mine, offset in zip(arrays, layout.offsets):
+            n = mine.size
+            self._average.prepared_async_call((min((n + 255) // 256, 1024), 1), (256, 1, 1),
+                                              self.stream, self.pointer(mine),
+                                              base + offset * itemsize, np.uint32(n))
+        self.stream.synchronize()
+
+    def close(self):
+        self.context.pop()
+        self.context.detach()
+
+
+def nvcc():
+    """The CUDA compiler PyCUDA builds the kernels with."""
+    return shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+
+
+def jax_train_step(model):
+    """The model's PyTensor-compiled training step as a JAX function
+    ``train(index, data, params) -> cost, new_params``, and the ``data`` it
+    reads (the training set, on the device).
+
+    PyTensor's JAX backend jits the whole graph; its jitted callable
+    (``Function.vm.jit_fn``) takes the inputs of the function's graph in
+    their order (the index, the data the ``givens`` read, the shared
+    weights) and returns the outputs, then the updated shared values.  Called
+    inside another jitted program, it lets the exchange and several steps
+    join the tutorial's own step in one compiled program."""
+    f = model.train_model
+    inputs = [i.variable for i in f.maker.inputs]          # index, data, params, in its order
+    updated = [i.variable for i in f.maker.inputs if i.update is not None]
+    data_vars = [v for v in inputs[1:] if v not in model.params]
+
+    def train(index, data, params):
+        value = dict(zip(data_vars, data)) | dict(zip(model.params, params))
+        cost, *new = f.vm.jit_fn(index, *[value[v] for v in inputs[1:]])
+        new = dict(zip(updated, new))
+        return cost, [new[p] for p in model.params]
+    return train, [storage(v) for v in data_vars]
