@@ -57,11 +57,16 @@ class HostDevice:
     def wait(self, values):
         pass  # NumPy work is done when the call returns
 
-    def average_in_place(self, arrays, recv, layout):
-        """``--avg pycuda`` on the CPU: the direct array operation, in place."""
-        for mine, theirs in zip(arrays, layout.views(recv)):
-            np.add(mine, theirs, out=mine)
-            mine *= 0.5
+    def average_in_place(self, arrays, recv, layout, n_workers):
+        """``--avg pycuda`` on the CPU: the direct array operation, in place:
+        each parameter set to the mean of every worker's (``recv``), summed in
+        rank order."""
+        everyone = layout.slots(recv, n_workers)
+        for i, mine in enumerate(arrays):
+            np.copyto(mine, everyone[0][i])
+            for theirs in everyone[1:]:
+                mine += theirs[i]
+            mine /= n_workers
 
     def close(self):
         pass
@@ -124,14 +129,19 @@ class CudaDevice(JaxDevice):
         self.context = drv.Device(0).retain_primary_context()
         self.context.push()
         self.stream = drv.Stream()
-        # One small kernel, launched once per parameter: mine = (mine + peer) / 2.
+        # One small kernel, launched once per parameter: mine = the mean of
+        # every worker's, in rank order (all: n_workers rows of ``stride``).
         self._average = SourceModule(nvcc=nvcc(), source="""
-            __global__ void average(float *mine, const float *peer, unsigned n) {
+            __global__ void average(float *mine, const float *all, unsigned n,
+                                    unsigned stride, unsigned n_workers) {
                 for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
-                     i += blockDim.x * gridDim.x)
-                    mine[i] = 0.5f * (mine[i] + peer[i]);
+                     i += blockDim.x * gridDim.x) {
+                    float sum = all[i];
+                    for (unsigned w = 1; w < n_workers; ++w) sum += all[w * stride + i];
+                    mine[i] = sum / n_workers;
+                }
             }""").get_function("average")
-        self._average.prepare("PPI")
+        self._average.prepare("PPIII")
 
     def to_host(self, value):
         """A fresh host copy.  Not np.asarray: a jax.Array caches its first host
@@ -145,7 +155,7 @@ class CudaDevice(JaxDevice):
     def pointer(array):
         return array.unsafe_buffer_pointer()
 
-    def average_in_place(self, arrays, recv, layout):
+    def average_in_place(self, arrays, recv, layout, n_workers):
         """``--avg pycuda``: the kernel, in place on the buffers JAX handed
         back; safe because nothing else holds them and we wait for it."""
         base, itemsize = self.pointer(recv), layout.dtype.itemsize
@@ -153,7 +163,8 @@ class CudaDevice(JaxDevice):
             n = mine.size
             self._average.prepared_async_call((min((n + 255) // 256, 1024), 1), (256, 1, 1),
                                               self.stream, self.pointer(mine),
-                                              base + offset * itemsize, np.uint32(n))
+                                              base + offset * itemsize, np.uint32(n),
+                                              np.uint32(layout.size), np.uint32(n_workers))
         self.stream.synchronize()
 
     def close(self):

@@ -42,7 +42,9 @@ is the gradient of their union's mean cost.
 import cli  # first: quiet Ctrl-C and closed pipes from the very start
 import argparse
 import collections
+import functools
 import json
+import operator
 import os
 import platform
 import shlex
@@ -75,7 +77,9 @@ L1, L2 = 0.0, 0.0001
 SEED = 1234
 SHIPPED_BATCH_SIZE = 100   # the shipped 3,000 training digits hold no two minibatches of 5,000
 TIMEOUT = 120.0            # seconds a worker waits for the others before it reports them stalled
-AHEAD = 8                  # steps the host may queue ahead of the device (--sync gpu, xla)
+STEPS_PER_CALL = 10        # steps in one compiled call (--sync gpu, xla), at most an epoch
+UNROLL = 5                 # of them unrolled in the program: XLA runs a loop's body step by step
+AHEAD = 8                  # calls the host may queue ahead of the device
 # -----------------------------------------------------------------------------
 
 
@@ -130,6 +134,11 @@ def parse_args(argv=None):
     p.add_argument("--staged", action="store_true",
                    help="GPUs: copy the weights through host memory, the fallback used "
                         "where the two GPUs cannot reach each other's memory")
+    p.add_argument("--steps-per-call", type=cli.positive_int, metavar="K",
+                   help="--sync gpu and --exchange xla: K steps in one compiled call, so that "
+                        "the host queues a call, not a step, and a small step is not bound by "
+                        "the host (default: " + str(STEPS_PER_CALL) + ", at most an epoch); the "
+                        "host-ordered loop takes one step per call")
     p.add_argument("--timeout", type=cli.positive, default=TIMEOUT,
                    help="seconds a worker waits for the others (to meet, or to finish a "
                         "step) before it reports them stalled (default: %(default)s)")
@@ -220,36 +229,47 @@ class StepClock:
         self.last = now
 
 
+def mean_in_rank_order(terms):
+    """(worker 0's + worker 1's + ...) / N, the same sum in the same order on
+    every worker, so that every replica gets the same bits; symbolic
+    (PyTensor) or NumPy alike."""
+    return functools.reduce(operator.add, terms) / len(terms)
+
+
 class HostOrdered(Trainer):
     """``--sync host``: the 2014 loop.  The host waits for its device after
-    each phase and the two workers meet at zmq barriers, so the host clock
-    can time every phase."""
+    each phase and the workers meet at zmq barriers, so the host clock can
+    time every phase."""
 
-    def __init__(self, rank, model, device, peer, rundir, avg, staged, check):
+    def __init__(self, rank, world, model, device, peer, rundir, avg, staged, check):
         super().__init__(rank, model, peer, check)
-        self.device, self.peer, self.clock = device, peer, StepClock()
+        self.world, self.device, self.peer, self.clock = world, device, peer, StepClock()
         layout = Layout.of(model.params)
-        self.transport = exchange.transport(device, rundir, rank, layout, staged)
+        self.transport = exchange.transport(device, rundir, rank, world, layout, staged)
         self.average = self.make_average(avg, layout)
         model.warm_up(self.average, put=device.put)
         self.route = f"{self.transport.route}, ordered by the host, --avg {avg}"
 
     def make_average(self, kind, layout):
-        """The ``--avg`` variants; each sets every parameter to (mine + peer's) / 2."""
-        params, transport, device = self.model.params, self.transport, self.device
+        """The ``--avg`` variants; each sets every parameter to the mean of
+        every worker's, which the transport fetched into ``recv``."""
+        params, recv, device, world = self.model.params, self.transport.recv, self.device, \
+            self.world
         if kind == "theano":
-            peer = pytensor.shared(np.zeros(layout.size, layout.dtype), name="peer")
-            place(peer, transport.recv)
+            everyone = pytensor.shared(np.zeros(world * layout.size, layout.dtype), name="all")
+            place(everyone, recv)
+            slots = layout.slots(everyone, world)
             return pytensor.function([], [], mode=device.mode, updates=[
-                (p, (p + q) / 2) for p, q in zip(params, layout.views(peer))])
+                (p, mean_in_rank_order([slot[i] for slot in slots]))
+                for i, p in enumerate(params)])
         if kind == "pycuda":
-            return lambda: device.average_in_place([storage(p) for p in params], transport.recv,
-                                                   layout)
+            return lambda: device.average_in_place([storage(p) for p in params], recv, layout,
+                                                   world)
 
         def through_host():
-            peer = layout.views(device.to_host(transport.recv))
-            for p, q in zip(params, peer):
-                place(p, device.put((device.to_host(storage(p)) + q) / 2))
+            slots = layout.slots(device.to_host(recv), world)
+            for i, p in enumerate(params):
+                place(p, device.put(mean_in_rank_order([slot[i] for slot in slots])))
         return through_host
 
     def handshake(self):
@@ -260,18 +280,18 @@ class HostOrdered(Trainer):
         for step in range(n_steps):
             stop_point(self.rank, "train")
             clock.start()
-            model.train_model(2 * step + self.rank)         # 1. on my own minibatch
+            model.train_model(self.world * step + self.rank)  # 1. on my own minibatch
             new = [storage(p) for p in model.params]
             self.device.wait(new)
             clock.lap("train")
             transport.publish(new)                          # 2. into my send buffer
             clock.lap("publish")
-            clock.lap("signal", waited=peer.barrier())      # 3. both published
+            clock.lap("signal", waited=peer.barrier())      # 3. all published
             fault_point(self.rank, "exchange")
-            transport.fetch()                               # 4. the peer's, into mine
+            transport.fetch()                               # 4. everyone's, into mine
             clock.lap("copy")
-            clock.lap("signal", waited=peer.barrier())      # 5. both copied
-            self.average()                                  # 6. (mine + peer's) / 2
+            clock.lap("signal", waited=peer.barrier())      # 5. all copied
+            self.average()                                  # 6. the mean of all
             self.device.wait([storage(p) for p in model.params])
             clock.lap("average")
             self.check_replicas()
@@ -290,20 +310,32 @@ class HostOrdered(Trainer):
 
 class DeviceOrdered(Trainer):
     """``--sync gpu`` and ``--exchange xla``: a step, training and exchange,
-    is one compiled program.  The host only queues it: it runs up to
-    ``AHEAD`` steps ahead of the device and never waits within a step, so
+    is one compiled program, and ``steps_per_call`` steps are one call of
+    it (a loop in the program).  The host only queues calls: it runs up to
+    ``AHEAD`` calls ahead of the device and never waits within a step, so
     the host clock times whole steps only.
 
-    A subclass says how to ``queue`` a step (returning a marker), whether
-    the device is ``done`` with the step of a marker, and where the
-    replica's ``device_weights`` are."""
+    A subclass compiles ``program(steps)``, the program of so many steps
+    over its ``state``; says how to ``queue`` a call of it (returning a
+    marker), whether the device is ``done`` with the call of a marker, and
+    where the replica's ``device_weights`` are."""
 
-    def __init__(self, rank, model, link, check, timeout):
+    def __init__(self, rank, model, link, check, timeout, steps_per_call):
         super().__init__(rank, model, link, check)
         self.queued, self.watchdog = collections.deque(), Watchdog(rank, timeout)
-        self.host_time, self.calls = 0.0, 0  # spent inside the program's call: the host's share
+        self.steps_per_call, self.programs, self.exchange_steps = steps_per_call, {}, None
+        self.host_time, self.calls, self.steps = 0.0, 0, 0  # the host's share: inside the calls
 
-    def queue(self, step):
+    def compile(self, n_steps):
+        """The programs an epoch of ``n_steps`` calls: ``steps_per_call``
+        steps, and what is left at the epoch's end.  Compiled, not run."""
+        for steps in {self.steps_per_call, n_steps % self.steps_per_call} - {0}:
+            self.programs[steps] = self.program(steps)
+
+    def program(self, steps):
+        raise NotImplementedError
+
+    def queue(self, steps):
         raise NotImplementedError
 
     def done(self, marker):
@@ -314,12 +346,13 @@ class DeviceOrdered(Trainer):
 
     def epoch(self, n_steps):
         with self.watchdog:
-            for step in range(n_steps):
+            for first in range(0, n_steps, self.steps_per_call):
+                steps = min(self.steps_per_call, n_steps - first)
                 stop_point(self.rank, "train")
                 called = time.perf_counter()
-                self.queued.append(self.queue(step))
-                self.host_time, self.calls = self.host_time + time.perf_counter() - called, \
-                    self.calls + 1
+                self.queued.append(self.queue(steps))
+                self.host_time += time.perf_counter() - called
+                self.calls, self.steps = self.calls + 1, self.steps + steps
                 fault_point(self.rank, "exchange")
                 if len(self.queued) > AHEAD:
                     self.wait(self.queued.popleft())
@@ -345,8 +378,24 @@ class DeviceOrdered(Trainer):
 
     def report(self):
         """What bounds the speed: a step that costs the host as long as the
-        step takes is host-bound, one that costs it less waits for the GPU."""
-        return dict(host_us_per_call=1e6 * self.host_time / max(1, self.calls))
+        step takes is host-bound, one that costs it less waits for the GPU;
+        and how many steps the device counted (``exchange_steps``: the
+        exchange ran once a step where it equals the steps run)."""
+        return dict(host_us_per_call=1e6 * self.host_time / max(1, self.calls),
+                    host_us_per_step=1e6 * self.host_time / max(1, self.steps),
+                    steps_per_call=self.steps_per_call, exchange_steps=self.exchange_steps)
+
+
+def repeat(step, steps):
+    """``steps`` calls of ``step(data, *state) -> state`` as one loop, in the
+    same order as one call each: ``UNROLL`` of them at a time in the loop's
+    body, which XLA otherwise runs a step at a time."""
+    import jax
+
+    def loop(data, *state):
+        return jax.lax.fori_loop(0, steps, lambda _, state: step(data, *state), state,
+                                 unroll=min(steps, UNROLL))
+    return loop
 
 
 class GpuOrdered(DeviceOrdered):
@@ -355,54 +404,54 @@ class GpuOrdered(DeviceOrdered):
 
     route = "CUDA IPC, peer to peer, ordered by the GPUs"
 
-    def __init__(self, rank, world, model, device, peer, check, timeout):
+    def __init__(self, rank, world, model, device, peer, check, timeout, steps_per_call):
         import jax
         import jax.numpy as jnp
         from stream_exchange import StreamExchange
 
-        super().__init__(rank, model, peer, check, timeout)
+        super().__init__(rank, model, peer, check, timeout, steps_per_call)
         model.warm_up(put=device.put)
         train, self.data = devices.jax_train_step(model)
         layout = Layout.of(model.params)
-        self.exchange = StreamExchange(device, layout)
+        self.exchange = StreamExchange(rank, world, layout)
         n_steps = model.n_train_batches // world
 
-        def flat(params):  # the weights travel as one buffer: one copy each way
+        def flat(params):  # the weights travel as one buffer: one kernel for all
             return jnp.concatenate([p.ravel() for p in params])
 
-        def average(params, received):
-            return (params + received) / 2
-
-        def step(data, counter, params, received):
+        def step(data, counter, params):
             index = world * (counter % n_steps) + rank           # this worker's minibatch
-            mean = average(params, received)                     # 6. average, of step t-1
-            _, new = train(index, data, layout.views(mean))      # 1. train
-            new = flat(new)
-            return counter + 1, new, self.exchange(new, received)  # 2.-5. publish, signal, copy
+            _, new = train(index, data, layout.views(params))    # 1. train
+            return counter + 1, self.exchange(flat(new))         # 2.-6. publish ... average
 
-        params = jax.jit(flat)([storage(p) for p in model.params])
-        # received = mine: the first average is a no-op
-        self.state = (device.put(np.int32(0)), params, params.copy())
-        # Compiled, not run (no peer yet).  The whole state is donated and the
-        # step returns nothing else, so XLA writes every step into the same
-        # buffers: the exchange's captured launches stay valid, and XLA replays
-        # its recorded step as it is, with nothing to update in it.  The host
-        # learns which steps are done from the exchange's counter in host memory.
-        self.program = jax.jit(step, donate_argnums=(1, 2, 3)).lower(
-            self.data, *self.state).compile()
+        self.one_step = step
+        self.state = (device.put(np.int32(0)), jax.jit(flat)([storage(p) for p in model.params]))
+        self.compile(n_steps)
         # the replica's weights, for validation and --check
-        self._weights = jax.jit(lambda counter, params, received:
-                                layout.views(average(params, received)))
+        self._weights = jax.jit(lambda counter, params: layout.views(params))
         self._weights(*self.state)  # compiled now, not in the first epoch
-        self.steps_queued = 0
+
+    def program(self, steps):
+        """Compiled, not run (no peer yet): ``jit``'s own cache keeps what
+        ``compile`` made, and a call of the jitted function takes JAX's fast
+        dispatch, which a compiled-ahead program with a callback in it does
+        not (about 180 us of host per call more on an H200 host).  The whole
+        state is donated and the program returns nothing else, so XLA writes
+        every step into the same buffers: the exchange's captured launch
+        stays valid, and XLA replays its recorded steps as they are.  The host
+        learns which steps are done from the exchange's counter in host
+        memory."""
+        import jax
+        program = jax.jit(repeat(self.one_step, steps), donate_argnums=(1, 2))
+        program.lower(self.data, *self.state).compile()
+        return program
 
     def handshake(self):
         self.exchange.connect(self.link.exchange(self.exchange.handle()))
 
-    def queue(self, step):
-        self.state = self.program(self.data, *self.state)
-        self.steps_queued += 1
-        return self.steps_queued  # the step's number, as the exchange counts them
+    def queue(self, steps):
+        self.state = self.programs[steps](self.data, *self.state)
+        return self.steps + steps  # the call's last step, as the exchange counts them
 
     def done(self, marker):
         return self.exchange.steps_done() >= marker
@@ -412,6 +461,7 @@ class GpuOrdered(DeviceOrdered):
 
     def finish(self):  # both GPUs are done: neither send buffer is read any more
         self.link.barrier()
+        self.exchange_steps = self.exchange.steps_done()
         self.exchange.close()
 
     def report(self):
@@ -423,30 +473,43 @@ class XlaOrdered(DeviceOrdered):
 
     route = "an XLA all-reduce (JAX's distributed runtime)"
 
-    def __init__(self, rank, world, model, device, xla, check, timeout):
-        super().__init__(rank, model, xla, check, timeout)
+    def __init__(self, rank, world, model, device, xla, check, timeout, steps_per_call):
+        super().__init__(rank, model, xla, check, timeout, steps_per_call)
         model.warm_up(put=device.put)
         train, data = devices.jax_train_step(model)
+        n_steps = model.n_train_batches // world
 
-        def step(index, data, params):
-            cost, new = train(index[0], data, params)                    # 1. train
-            return cost[None], ([xla.mean(p) for p in new],)             # 2.-6. all-reduce
+        def step(data, counter, params, cost):
+            index = world * (counter % n_steps) + xla.rank()             # this worker's minibatch
+            cost, new = train(index, data, params)                       # 1. train
+            return counter + 1, [xla.mean(p) for p in new], cost[None]   # 2.-6. all-reduce
 
+        self.one_step, self.xla = step, xla
         self.data = [xla.replicated(d) for d in data]
-        self.state = ([xla.replicated(storage(p)) for p in model.params],)
-        self.indices = [xla.per_worker(device.put(np.array([world * t + rank], np.int32)))
-                        for t in range(model.n_train_batches // world)]
-        self.program = xla.program(step).lower(self.indices[0], self.data, *self.state).compile()
+        self.state = (xla.replicated(device.put(np.int32(0))),
+                      [xla.replicated(storage(p)) for p in model.params])
+        self.compile(n_steps)
 
-    def queue(self, step):
-        cost, self.state = self.program(self.indices[step], self.data, *self.state)
+    def program(self, steps):
+        import jax.numpy as jnp
+        loop = repeat(self.one_step, steps)
+
+        def call(data, counter, params):  # the marker: each worker's cost of the last step
+            return loop(data, counter, params, jnp.zeros(1, params[0].dtype))
+        return self.xla.program(call).lower(self.data, *self.state).compile()
+
+    def queue(self, steps):
+        *self.state, cost = self.programs[steps](self.data, *self.state)
         return cost
 
     def done(self, cost):
         return cost.is_ready()
 
     def device_weights(self):
-        return [self.link.local(p) for p in self.state[0]]
+        return [self.link.local(p) for p in self.state[1]]
+
+    def finish(self):
+        self.exchange_steps = int(np.asarray(self.link.local(self.state[0])))
 
 
 # -----------------------------------------------------------------------------
@@ -515,12 +578,15 @@ def worker(args, rank, world, dev, rundir):
 def make_trainer(args, rank, world, model, device, rundir, xla, cleanup):
     """The trainer of the ordering asked for (see the module's text)."""
     if xla:
-        return XlaOrdered(rank, world, model, device, xla, args.check, args.timeout)
-    peer = Peer(rundir, rank, args.timeout, stopping, device.spin)
+        return XlaOrdered(rank, world, model, device, xla, args.check, args.timeout,
+                          args.steps_per_call)
+    peer = Peer(rundir, rank, world, args.timeout, stopping, device.spin)
     cleanup.callback(peer.close)
     if args.sync == "gpu":
-        return GpuOrdered(rank, world, model, device, peer, args.check, args.timeout)
-    return HostOrdered(rank, model, device, peer, rundir, args.avg, args.staged, args.check)
+        return GpuOrdered(rank, world, model, device, peer, args.check, args.timeout,
+                          args.steps_per_call)
+    return HostOrdered(rank, world, model, device, peer, rundir, args.avg, args.staged,
+                       args.check)
 
 
 def summarise(args, progress, trainer, n_steps, world, wall, device, say):
@@ -571,7 +637,7 @@ def main(argv=None):
                                    (PeerError, records.CheckpointError, datasets.DatasetError))
     started = time.perf_counter()
     try:
-        notices = launcher.check_request(args, BATCH_SIZE, SHIPPED_BATCH_SIZE)
+        notices = launcher.check_request(args, BATCH_SIZE, SHIPPED_BATCH_SIZE, STEPS_PER_CALL)
     except (launcher.UsageError, datasets.DatasetError, records.CheckpointError) as e:
         print(f"dual_mlp.py: error: {e}", file=sys.stderr)
         return 2

@@ -3,23 +3,24 @@
 The pieces, each small enough to read in one go:
 
 ``Peer``
-    a zmq PAIR socket between the two workers, over ``ipc://`` in the run's
-    private directory.  It carries the one-time handshake (each worker's
-    buffer handle) and, every step, the barriers: each side sends the step
-    number and waits for the other's.  Every wait has a timeout.
+    zmq PAIR sockets between the workers of one machine, over ``ipc://`` in
+    the run's private directory.  They carry the one-time handshake (each
+    worker's buffer handle) and, every step, the barriers: each worker sends
+    the step number to all others and waits for theirs.  Every wait has a
+    timeout.
 
 the transports (``--sync host``)
     a worker *publishes* its weights into its own send buffer, whose address
-    never moves, and the peer *fetches* them from there into its receive
-    buffer (``transport`` picks one for the device):
+    never moves, and every worker *fetches* everyone's from there into its
+    receive buffer (``transport`` picks one for the device):
 
     * ``HostTransport`` (CPU): the send buffer is a file in the run's private
       directory that both workers map; its path is the handle.
     * ``CudaIpcTransport`` (GPU): the send buffer is PyCUDA device memory; its
-      CUDA IPC handle goes to the peer once, and every fetch is one
-      device-to-device copy from the peer's GPU (over NVLink where there is one).
-    * ``StagedCudaTransport`` (GPU pairs that cannot reach each other's
-      memory): device -> mapped host file -> device.
+      CUDA IPC handle goes to the others once, and every fetch is one
+      device-to-device copy from each other GPU (over NVLink where there is one).
+    * ``StagedCudaTransport`` (GPUs that cannot reach each other's memory):
+      device -> mapped host file -> device.
 
 ``XlaExchange`` (``--exchange xla``)
     no home-made transport at all: the workers are the processes of one JAX
@@ -50,81 +51,92 @@ class PeerError(Exception):
 
 
 class Peer:
-    """The zmq link to the other worker: worker 0 binds, worker 1 connects."""
+    """The zmq links between the workers of one machine: a PAIR socket for
+    every pair, the lower rank binding, in the run's private directory."""
 
-    def __init__(self, rundir, rank, timeout, stopping, spin=0.0):
+    def __init__(self, rundir, rank, n_workers, timeout, stopping, spin=0.0):
         """
-        :param timeout: seconds to wait for the peer at any barrier
+        :param timeout: seconds to wait for another worker at any barrier
         :param stopping: has is_set(); once it is set, any wait ends
         :param spin: seconds to poll without sleeping before blocking; a
             wake-up from a blocking wait costs tens of microseconds, which
             matters next to a GPU step but would steal a CPU worker's core
         """
-        self.rank, self.timeout, self.stopping, self.spin = rank, timeout, stopping, spin
+        self.rank, self.n = rank, n_workers
+        self.timeout, self.stopping, self.spin = timeout, stopping, spin
         self.barriers = 0
         self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.PAIR)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        address = "ipc://" + os.path.join(rundir, "peer.sock")
-        if rank == 0:
-            self.socket.bind(address)
-        else:
-            self.socket.connect(address)
+        self.sockets = {}  # the other worker's rank -> its socket
+        for other in range(n_workers):
+            if other == rank:
+                continue
+            socket = self.context.socket(zmq.PAIR)
+            socket.setsockopt(zmq.LINGER, 0)
+            low, high = sorted((rank, other))
+            address = "ipc://" + os.path.join(rundir, f"peer-{low}-{high}.sock")
+            (socket.bind if rank == low else socket.connect)(address)
+            self.sockets[other] = socket
 
-    def _wait(self, event, what):
-        """Wait, in slices, until the socket can send or receive (``event``);
-        a stop request or the timeout ends the wait.  (A PAIR socket whose
-        peer is gone blocks a plain send forever.)"""
+    def _wait(self, other, event, what):
+        """Wait, in slices, until the socket to ``other`` can send or receive
+        (``event``); a stop request or the timeout ends the wait.  (A PAIR
+        socket whose peer is gone blocks a plain send forever.)"""
         deadline = time.monotonic() + self.timeout
-        while not self.socket.poll(100, event):
+        while not self.sockets[other].poll(100, event):
             if self.stopping.is_set():
                 raise Interrupted
             if time.monotonic() > deadline:
-                raise PeerError(f"worker {1 - self.rank} did not reach {what} within "
+                raise PeerError(f"worker {other} did not reach {what} within "
                                 f"{self.timeout:g} s (see --timeout)")
 
-    def _send(self, message, what):
-        self._wait(zmq.POLLOUT, what)
-        self.socket.send(message, zmq.NOBLOCK)
+    def _send_all(self, message, what):
+        for other, socket in self.sockets.items():
+            self._wait(other, zmq.POLLOUT, what)
+            socket.send(message, zmq.NOBLOCK)
 
-    def _recv(self, what):
+    def _recv(self, other, what):
         deadline = time.perf_counter() + self.spin
         while time.perf_counter() < deadline:
             try:
-                return self.socket.recv(zmq.NOBLOCK)
+                return self.sockets[other].recv(zmq.NOBLOCK)
             except zmq.Again:
                 pass
-        self._wait(zmq.POLLIN, what)
-        return self.socket.recv(zmq.NOBLOCK)
+        self._wait(other, zmq.POLLIN, what)
+        return self.sockets[other].recv(zmq.NOBLOCK)
 
     def exchange(self, obj, what="the handshake"):
-        """Send ``obj``, return the peer's (the handles, once; --check)."""
-        self._send(pickle.dumps(obj), what)
-        return pickle.loads(self._recv(what))
+        """Send ``obj`` to every other worker; returns every worker's, in rank
+        order, mine included (the handles, once; --check)."""
+        self._send_all(pickle.dumps(obj), what)
+        return [obj if other == self.rank else pickle.loads(self._recv(other, what))
+                for other in range(self.n)]
 
     def gather(self, array):
-        """Both workers' ``array``, stacked, mine first (for --check)."""
-        return np.stack([array, self.exchange(array, "the replica check")])
+        """Every worker's ``array``, stacked in rank order (for --check)."""
+        return np.stack(self.exchange(array, "the replica check"))
 
     def barrier(self):
-        """Return once both workers have called it as often as each other,
-        with the seconds spent waiting because the peer arrived later (both
+        """Return once every worker has called it as often as this one, with
+        the seconds spent waiting because the last one arrived later (all
         stamp their arrival on the machine-wide monotonic clock)."""
         self.barriers += 1
-        arrived = time.perf_counter()
+        arrived, last = time.perf_counter(), 0.0
         what = f"barrier {self.barriers}"
-        self._send(struct.pack("<qd", self.barriers, arrived), what)
-        count, peer_arrived = struct.unpack("<qd", self._recv(what))
-        if count != self.barriers:
-            raise PeerError(f"workers out of step: at barrier {self.barriers}, "
-                            f"the peer is at {count}")
-        return max(0.0, peer_arrived - arrived)
+        self._send_all(struct.pack("<qd", self.barriers, arrived), what)
+        for other in self.sockets:
+            count, their_arrival = struct.unpack("<qd", self._recv(other, what))
+            if count != self.barriers:
+                raise PeerError(f"workers out of step: at barrier {self.barriers}, "
+                                f"worker {other} is at {count}")
+            last = max(last, their_arrival)
+        return max(0.0, last - arrived)
 
     def close(self):
         # Linger a moment: a message still in flight (the last --check
         # exchange, 1.6 MB) is discarded by a close without it, and the peer
         # then waits for it until its timeout.
-        self.socket.close(linger=1000)
+        for socket in self.sockets.values():
+            socket.close(linger=1000)
         self.context.term()
 
 
@@ -147,47 +159,58 @@ class Layout:
         """The parameters as reshaped slices of a flat buffer."""
         return [flat[a:a + n].reshape(s) for a, n, s in zip(self.offsets, self.sizes, self.shapes)]
 
+    def slots(self, flat, n_workers):
+        """Each worker's parameters (``views``), in a buffer that holds every
+        worker's flat weights in rank order (a receive buffer)."""
+        return [self.views(flat[w * self.size:(w + 1) * self.size]) for w in range(n_workers)]
 
-def transport(device, rundir, rank, layout, staged):
+
+def transport(device, rundir, rank, n_workers, layout, staged):
     """The host-ordered transport for ``device``: host memory on the CPU; on
     a GPU peer to peer, or ``staged`` through host memory (the launcher
-    chooses, by whether the two GPUs can reach each other's memory)."""
+    chooses, by whether the GPUs can reach each other's memory)."""
     if device.name == "cpu":
-        return HostTransport(rundir, rank, layout, device)
+        return HostTransport(rundir, rank, n_workers, layout, device)
     if staged:
-        return StagedCudaTransport(rundir, rank, layout, device)
-    return CudaIpcTransport(layout, device)
+        return StagedCudaTransport(rundir, rank, n_workers, layout, device)
+    return CudaIpcTransport(rank, n_workers, layout, device)
 
 
 class HostTransport:
     """CPU weights through host memory: a file in the run directory, mapped
-    by both workers, stands in for a CUDA IPC buffer; its path is the handle."""
+    by every worker, stands in for a CUDA IPC buffer; its path is the handle.
+    ``recv`` holds every worker's weights after a fetch, in rank order, this
+    worker's own included, so that every worker averages the same numbers in
+    the same order."""
 
     route = "host memory"
 
-    def __init__(self, rundir, rank, layout, device):
+    def __init__(self, rundir, rank, n_workers, layout, device):
         self.layout, self.device = layout, device
         self.path = os.path.join(rundir, f"weights{rank}.bin")
         self.send = np.memmap(self.path, layout.dtype, mode="w+", shape=(layout.size,))
         self.send_views = layout.views(self.send)
-        self.recv = device.put(np.zeros(layout.size, layout.dtype))
-        self.peer = None
+        self.recv = device.put(np.zeros(n_workers * layout.size, layout.dtype))
+        self.sources = []
 
     def handle(self):
         return self.path
 
-    def connect(self, handle):
-        self.peer = np.memmap(handle, self.layout.dtype, mode="r", shape=(self.layout.size,))
+    def connect(self, handles):
+        self.sources = [np.memmap(h, self.layout.dtype, mode="r", shape=(self.layout.size,))
+                        for h in handles]
 
     def publish(self, values):
         for view, value in zip(self.send_views, values):
             view[...] = value
 
     def fetch(self):
-        self.recv[...] = self.peer
+        size = self.layout.size
+        for w, source in enumerate(self.sources):
+            self.recv[w * size:(w + 1) * size] = source
 
     def close(self):
-        self.peer = self.send = self.send_views = None  # unmaps
+        self.sources = self.send = self.send_views = None  # unmaps
 
 
 class CudaIpcTransport:
@@ -198,19 +221,23 @@ class CudaIpcTransport:
 
     route = "CUDA IPC, peer to peer"
 
-    def __init__(self, layout, device):
-        self.layout, self.device = layout, device
+    def __init__(self, rank, n_workers, layout, device):
+        self.rank, self.layout, self.device = rank, layout, device
         drv = device.drv
         self.send = drv.mem_alloc(layout.nbytes)
-        self.recv = device.put(np.zeros(layout.size, layout.dtype))
-        self.peer = None
+        self.recv = device.put(np.zeros(n_workers * layout.size, layout.dtype))
+        self.sources, self.opened = [], []
 
     def handle(self):
         return self.device.drv.mem_get_ipc_handle(self.send)
 
-    def connect(self, handle):
-        # maps the peer's buffer into our context; peer access is enabled lazily
-        self.peer = self.device.drv.IPCMemoryHandle(handle)
+    def connect(self, handles):
+        # maps the others' buffers into our context; peer access is enabled lazily
+        self.opened = [self.device.drv.IPCMemoryHandle(h)
+                       for w, h in enumerate(handles) if w != self.rank]
+        others = iter(self.opened)
+        self.sources = [int(self.send) if w == self.rank else next(others)
+                        for w in range(len(handles))]
 
     def publish(self, values):
         drv, stream, itemsize = self.device.drv, self.device.stream, self.layout.dtype.itemsize
@@ -220,20 +247,22 @@ class CudaIpcTransport:
         stream.synchronize()
 
     def fetch(self):
-        self.device.drv.memcpy_dtod_async(self.device.pointer(self.recv), self.peer,
-                                          self.layout.nbytes, self.device.stream)
+        base, nbytes = self.device.pointer(self.recv), self.layout.nbytes
+        for w, source in enumerate(self.sources):
+            self.device.drv.memcpy_dtod_async(base + w * nbytes, source, nbytes,
+                                              self.device.stream)
         self.device.stream.synchronize()
 
     def close(self):
-        if self.peer is not None:
-            self.peer.close()
+        for handle in self.opened:
+            handle.close()
         self.send.free()
-        self.peer = None
+        self.sources = self.opened = []
 
 
 class StagedCudaTransport(HostTransport):
-    """The fallback for two GPUs without peer access: each worker copies its
-    weights down into its mapped host file, the peer copies them up."""
+    """The fallback for GPUs without peer access: each worker copies its
+    weights down into its mapped host file, the others copy them up."""
 
     route = "host memory (staged)"
 
@@ -242,7 +271,9 @@ class StagedCudaTransport(HostTransport):
             self.device.drv.memcpy_dtoh(view, self.device.pointer(value))
 
     def fetch(self):
-        self.device.drv.memcpy_htod(self.device.pointer(self.recv), self.peer)
+        base, nbytes = self.device.pointer(self.recv), self.layout.nbytes
+        for w, source in enumerate(self.sources):
+            self.device.drv.memcpy_htod(base + w * nbytes, source)
 
 
 class XlaExchange:
@@ -277,17 +308,11 @@ class XlaExchange:
         self.jax, self.P, self.n = jax, PartitionSpec, n_workers
         self.mesh = Mesh(np.array(jax.devices()), ("workers",))
         self.same_everywhere = NamedSharding(self.mesh, PartitionSpec())
-        self.one_each = NamedSharding(self.mesh, PartitionSpec("workers"))
 
     def replicated(self, local):
         """A global array from this worker's copy of a value all workers hold."""
         return self.jax.make_array_from_single_device_arrays(local.shape, self.same_everywhere,
                                                              [local])
-
-    def per_worker(self, local):
-        """A global (n_workers, ...) array whose row k is worker k's ``local`` (1, ...)."""
-        return self.jax.make_array_from_single_device_arrays((self.n,) + local.shape[1:],
-                                                             self.one_each, [local])
 
     @staticmethod
     def local(value):
@@ -298,15 +323,19 @@ class XlaExchange:
         """Inside ``program``: the mean over all workers (an XLA all-reduce)."""
         return self.jax.lax.pmean(value, "workers")
 
-    def program(self, step):
-        """``step(index, data, params) -> (cost, state)`` compiled as one SPMD
-        program over all workers: ``index`` and ``cost`` (each worker's own,
-        shape (1,), only waited on) are per worker, the rest is the same on
-        every worker."""
+    def rank(self):
+        """Inside ``program``: this worker's number."""
+        return self.jax.lax.axis_index("workers")
+
+    def program(self, call):
+        """``call(data, counter, params) -> (counter, params, cost)`` compiled
+        as one SPMD program over all workers: ``cost`` is each worker's own
+        (shape (1,), only waited on), the rest the same on every worker; the
+        counter and the weights are updated in place (donated)."""
         P = self.P
-        spmd = self.jax.shard_map(step, mesh=self.mesh, in_specs=(P("workers"), P(), P()),
-                                  out_specs=(P("workers"), P()), check_vma=False)
-        return self.jax.jit(spmd, donate_argnums=2)  # the weights: updated in place
+        spmd = self.jax.shard_map(call, mesh=self.mesh, in_specs=(P(), P(), P()),
+                                  out_specs=(P(), P(), P("workers")), check_vma=False)
+        return self.jax.jit(spmd, donate_argnums=(1, 2))
 
     def gather(self, host_array):
         """Every worker's ``host_array``, stacked: (n_workers, ...)."""

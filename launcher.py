@@ -18,6 +18,7 @@ a peer that is gone).  ``fault_point`` is the fault tests' hook.
 import collections
 import ctypes
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -101,21 +102,39 @@ def free_local_address():
 
 def check_exchange(args, world, gpus):
     """Resolve --exchange, --sync, --avg and --staged; returns the notices."""
+    shared = len(set(args.devices)) < len(args.devices)  # GPUs; CPU workers always share
+    exchange_asked, staged_asked = args.exchange, args.staged
     if args.exchange is None:
-        args.exchange = "p2p" if world == 2 and args.nodes == 1 else "xla"
-    if args.exchange == "p2p" and (world != 2 or args.nodes > 1):
-        raise UsageError("--exchange p2p joins two workers on one machine: use --exchange xla "
-                         f"for {world} workers"
-                         + (" on several machines" if args.nodes > 1 else ""))
+        # measured: on CPUs the host-ordered exchange beats gloo's all-reduce at any count
+        # (bench/results/scaling_cpu.json); GPUs past two stay on NCCL until measured
+        args.exchange = "p2p" if args.nodes == 1 and (world == 2 or not gpus or shared) \
+            else "xla"
+    if args.exchange == "p2p" and args.nodes > 1:
+        raise UsageError("--exchange p2p joins the workers of one machine: use --exchange xla "
+                         "on several machines")
+    notices = []
+    if gpus and args.exchange == "p2p" and not shared:
+        used = list(map(int, args.devices))
+        pair = next(((a, b) for a, b in itertools.combinations(used, 2)
+                     if not peer_access(a, b)), None)
+        if pair and world > 2 and not exchange_asked and not (args.sync or args.avg):
+            args.exchange = "xla"
+            notices.append(f"notice: GPUs {pair[0]} and {pair[1]} cannot reach each other's "
+                           "memory: the workers average with --exchange xla")
+        elif pair and not args.staged:
+            args.staged = True
+            notices.append(f"warning: GPUs {pair[0]} and {pair[1]} cannot access each other's "
+                           "memory: the weights go through host memory (slower, same numbers)")
     if args.exchange == "xla":
         if args.sync or args.avg or args.staged:
             raise UsageError("--sync, --avg and --staged choose how --exchange p2p works; "
                              "--exchange xla averages inside the compiled step")
         if importlib.util.find_spec("jax") is None:
             raise UsageError("--exchange xla needs JAX: pip install jax")
-        if gpus and len(set(args.devices)) < len(args.devices):
+        if gpus and shared:
             raise UsageError("--exchange xla needs a different GPU for every worker")
-        return []
+        return notices
+    sync_asked = args.sync
     if args.sync is None:
         args.sync = "gpu" if gpus else "host"
     if args.sync == "gpu" and not gpus:
@@ -125,16 +144,15 @@ def check_exchange(args, world, gpus):
         raise UsageError("--avg chooses how the host-ordered loop averages: add --sync host")
     args.avg = args.avg or "theano"
     if not gpus:
-        return []
-    a, b = map(int, args.devices)
-    notices, staged_asked = [], args.staged
-    if not args.staged and not peer_access(a, b):
-        args.staged = True
-        notices.append(f"warning: GPUs {a} and {b} cannot access each other's memory: the "
-                       "weights go through host memory (slower, same numbers)")
-    why = ("both workers share one GPU" if a == b else "--staged" if staged_asked
-           else "no peer access" if args.staged else None)
-    if args.sync == "gpu" and why:
+        return notices
+    why = (("both workers share one GPU" if world == 2 else "workers share a GPU") if shared
+           else "--staged" if staged_asked else "no peer access" if args.staged else None)
+    if args.sync == "gpu" and shared and sync_asked and not args.staged:
+        notices.append(f"notice: {world} workers on GPU {args.devices[0]}: the GPU-ordered "
+                       "exchange runs there time-sliced, each worker's kernel waiting for the "
+                       "others' turns; correct, and slow: for testing where one GPU is all "
+                       "there is")
+    elif args.sync == "gpu" and why:
         args.sync = "host"
         notices.append(f"notice: the exchange is ordered by the host (--sync host): {why}")
     return notices
@@ -162,10 +180,27 @@ def check_resume(args):
                          f"ask for more --epochs")
 
 
-def check_request(args, batch_size, shipped_batch_size):
+def check_steps_per_call(args, n_steps, default):
+    """Resolve --steps-per-call: ``default``, never more than an epoch of
+    ``n_steps``; one for the host-ordered loop.  Returns a notice or None."""
+    if args.exchange == "p2p" and args.sync == "host":
+        if args.steps_per_call:
+            raise UsageError("--steps-per-call: the host-ordered 2014 loop (--sync host) takes "
+                             "one step per call; K steps per call need --sync gpu or "
+                             "--exchange xla")
+        args.steps_per_call = 1
+        return None
+    asked, args.steps_per_call = args.steps_per_call, min(args.steps_per_call or default, n_steps)
+    if asked and asked > n_steps:
+        return f"notice: --steps-per-call {asked} is more than an epoch: {n_steps} steps per call"
+    return None
+
+
+def check_request(args, batch_size, shipped_batch_size, steps_per_call):
     """Resolve defaults and check every input; returns the notices to print.
     ``batch_size`` is the default per worker, ``shipped_batch_size`` the one
-    on the shipped digits (too few for two minibatches of the default)."""
+    on the shipped digits (too few for two minibatches of the default),
+    ``steps_per_call`` the default of the device-ordered exchanges."""
     notices = []
     if theano_flags.DEVICE:
         notices.append(f"warning: THEANO_FLAGS: 'device={theano_flags.DEVICE}' is ignored: "
@@ -188,6 +223,8 @@ def check_request(args, batch_size, shipped_batch_size):
     if n_train < world * args.batch_size:
         raise UsageError(f"batch size {args.batch_size} is too large: the training set has "
                          f"{n_train} images, and each of the {world} workers needs a minibatch")
+    notices.append(check_steps_per_call(args, n_train // args.batch_size // world,
+                                        steps_per_call))
     if args.resume:
         check_resume(args)
     if args.exchange == "xla" and not args.coordinator:

@@ -12,8 +12,9 @@ validation error and the test error of the best-validation model (the
 tutorial's rule).  A system reaches the target at the first epoch where that
 test accuracy is at least ``--target``: its training seconds and steps then
 are the figures.  The systems: ``dual_mlp.py 0 1`` (GPU-ordered, ``--exchange
-xla``, host-ordered), the project's model on one GPU (``mlp.py``), PyTorch
-eager on one GPU and DDP on two, JAX's mesh data parallelism
+xla``, host-ordered), the project's model on one GPU (``mlp.py``, and its
+compiled step at its best), PyTorch eager and as a CUDA graph, on one GPU and
+with DDP on two, JAX's mesh data parallelism, one step and K steps per call
 (``bench/references.py --curve``).  A run that fails stops the benchmark.
 
 Writes ``accuracy.json`` (command, date, machine, every curve, the figures)
@@ -27,7 +28,7 @@ import sys
 import tempfile
 
 from common import RESULTS, ROOT, parse_args, record
-from compare import run, summary_of
+from compare import K, ONE_GPU, STEPS_PER_CALL, run, summary_of
 
 sys.path.insert(0, ROOT)
 import datasets  # noqa: E402
@@ -48,9 +49,9 @@ def demo(name, args, workers, opts, tmp, env=None):
     return summarise(name, workers, summary, opts.target)
 
 
-def reference(system, name, workers, opts):
-    out = run([sys.executable, "bench/references.py", system, "--curve",
-               *training(opts), "--batches", str(GLOBAL_BATCH // workers)])
+def reference(system, name, workers, opts, options=(), env=None):
+    out = run([sys.executable, "bench/references.py", system, *options, "--curve",
+               *training(opts), "--batches", str(GLOBAL_BATCH // workers)], env)
     return summarise(name, workers, json.loads(out.stdout.strip().splitlines()[-1]),
                      opts.target)
 
@@ -76,9 +77,15 @@ def gpu_systems(opts, tmp):
     yield demo("demo 0 1 --sync gpu", ["0", "1", "--sync", "gpu"], 2, opts, tmp)
     yield demo("demo 0 1 --exchange xla", ["0", "1", "--exchange", "xla"], 2, opts, tmp)
     yield demo("one GPU (mlp.py)", [], 1, opts, tmp, {"THEANO_FLAGS": "device=cuda0"})
+    yield reference("pytensor", f"one GPU, the demo's step, {STEPS_PER_CALL} per call", 1, opts,
+                    K, ONE_GPU)
     yield reference("jax", "JAX jit over a 2-GPU mesh", 2, opts)
+    yield reference("jax", f"JAX jit over a 2-GPU mesh, {STEPS_PER_CALL} steps per call", 2,
+                    opts, K)
     yield reference("torch", "PyTorch eager, one GPU", 1, opts)
+    yield reference("torch-graph", "PyTorch CUDA graph, one GPU", 1, opts)
     yield reference("ddp", "PyTorch DDP, two GPUs", 2, opts)
+    yield reference("ddp-graph", "PyTorch DDP CUDA graph, two GPUs", 2, opts)
     yield demo("demo 0 1 --sync host", ["0", "1", "--sync", "host"], 2, opts, tmp)
 
 

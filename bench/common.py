@@ -90,10 +90,11 @@ def write_block(name, text):
 
 def tables_from(path, table):
     """``--tables-from JSON``: regenerate the running script's README tables
-    (the block named after it) from a results file."""
-    name = os.path.basename(sys.argv[0])
+    (the block named after it, or the one its results file names) from a
+    results file."""
     with open(path) as f:
-        write_block(name, table(json.load(f)))
+        document = json.load(f)
+    write_block(document.get("block", os.path.basename(sys.argv[0])), table(document))
 
 
 def parse_args(parser, table):

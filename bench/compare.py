@@ -11,9 +11,15 @@ at 500, 5000 and 20000 examples per GPU per step, for:
 * ``dual_mlp.py 0 1`` with each exchange: GPU-ordered (``--sync gpu``),
   host-ordered (``--sync host``, under each ``--avg`` at 5000), ``--exchange
   xla``; and ``0 0`` (both workers on one GPU) at 5000;
-* PyTorch eager on one GPU and DistributedDataParallel on two, and
-  ``torch.compile`` on one where it runs (where it does not, the JSON says why);
-* JAX's own data parallelism: one ``jit`` over a mesh of both GPUs.
+* PyTorch eager on one GPU and DistributedDataParallel on two, each also at
+  its best, the whole step captured as a CUDA graph, and ``torch.compile`` on
+  one where it runs (where it does not, the JSON says why);
+* JAX's own data parallelism: one ``jit`` over a mesh of both GPUs, one step
+  per call and ``STEPS_PER_CALL`` (the demo's default);
+* the best one-GPU program: the demo's own compiled step, K steps per call.
+
+Every ratio is taken in this one run: the demo against one GPU, against
+JAX's mesh, and against the best reference at that batch size.
 
 The demo's runs report their own throughput (``--json``); the references
 are timed by ``bench/references.py``.  The demo validates after every epoch,
@@ -48,11 +54,20 @@ from common import RESULTS, ROOT, parse_args, record, refuse_busy_gpus, tables_f
 
 sys.path.insert(0, ROOT)
 import datasets  # noqa: E402
+from dual_mlp import STEPS_PER_CALL  # noqa: E402
 
 BATCHES = (500, 5000, 20000)
-REFERENCES = (("torch", "PyTorch eager, one GPU"), ("ddp", "PyTorch DDP, two GPUs"),
-              ("jax", "JAX jit over a 2-GPU mesh"),
-              ("torch-compile", "PyTorch torch.compile, one GPU"))
+K = ["--steps-per-call", str(STEPS_PER_CALL)]
+ONE_GPU = {"CUDA_VISIBLE_DEVICES": "0"}
+# (system of references.py, its options, environment, label)
+REFERENCES = (("torch", [], None, "PyTorch eager, one GPU"),
+              ("torch-graph", [], None, "PyTorch CUDA graph, one GPU"),
+              ("ddp", [], None, "PyTorch DDP, two GPUs"),
+              ("ddp-graph", [], None, "PyTorch DDP CUDA graph, two GPUs"),
+              ("jax", [], None, "JAX jit over a 2-GPU mesh"),
+              ("jax", K, None, f"JAX jit over a 2-GPU mesh, {STEPS_PER_CALL} steps per call"),
+              ("pytensor", K, ONE_GPU, f"one GPU, the demo's step, {STEPS_PER_CALL} per call"),
+              ("torch-compile", [], None, "PyTorch torch.compile, one GPU"))
 OPTIONAL = {"torch-compile"}  # measured where it runs; where it does not, the run says why
 
 
@@ -147,18 +162,20 @@ def demo(name, args, batch, workers, steps, tiles, tmp, env=None):
                   steps_per_epoch=s["steps_per_epoch"], wall_s=s["wall_s"],
                   validation_error=s["validation_errors"][-1])
     # how often XLA ran the exchange's Python callback; the host's time per step call
-    figure.update({k: s[k] for k in ("exchange_callbacks", "host_us_per_call",
-                                     "max_replica_diff") if k in s})
+    figure.update({k: s[k] for k in ("exchange_callbacks", "host_us_per_call", "host_us_per_step",
+                                     "steps_per_call", "exchange_steps", "max_replica_diff")
+                   if k in s})
     print(f"  {name:28s} B={batch:6d}: {figure['samples_per_s'] / 1e6:8.2f} M samples/s "
           f"{us:8.0f} us/step  ({s['wall_s']:.0f} s to run)", flush=True)
     return figure
 
 
-def reference(system, label, batches, steps, data, env=None):
+def reference(system, options, env, label, batches, steps, data):
     """A reference system at every batch size, cycling through ``data``
     (it validates nothing, so no tiling changes its figures)."""
-    out = run([sys.executable, "bench/references.py", system, "--dataset", data, "--batches",
-               *map(str, batches), "--steps", str(steps)], env, optional=system in OPTIONAL)
+    out = run([sys.executable, "bench/references.py", system, *options, "--dataset", data,
+               "--batches", *map(str, batches), "--steps", str(steps)], env,
+              optional=system in OPTIONAL)
     rates = json.loads(out.stdout.strip().splitlines()[-1])
     figures = []
     for batch in batches:
@@ -176,18 +193,18 @@ def gpu_runs(args, tiles, tmp, figures):
     first, then the demo at 5000, 20000 and 500 per GPU, then the optional
     references (slow to compile), so that a run cut short still holds the
     comparisons that matter most."""
-    def add_reference(system, label):
+    def add_reference(system, options, env, label):
         try:
-            for figure in reference(system, label, args.batches, args.steps,
+            for figure in reference(system, options, env, label, args.batches, args.steps,
                                     tiles(2 * max(args.batches))[0]):
                 figures.add(figure)
         except Failed as e:
             print(f"  {label}: did not run here: {e}", flush=True)
             figures.meta.setdefault("not_run", {})[label] = str(e)
 
-    for system, label in REFERENCES:
+    for system, *how in REFERENCES:
         if system not in OPTIONAL:
-            add_reference(system, label)
+            add_reference(system, *how)
     for batch in sorted(args.batches, key=lambda b: (b != 5000, -b)):
         runs = [("one GPU (mlp.py)", [], 1, {"THEANO_FLAGS": "device=cuda0"}),
                 ("demo 0 1 --sync gpu", ["0", "1", "--sync", "gpu"], 2, None),
@@ -200,9 +217,9 @@ def gpu_runs(args, tiles, tmp, figures):
             runs += [("demo 0 0 (one GPU, two workers)", ["0", "0"], 2, None)]
         for name, cmd, workers, env in runs:
             figures.add(demo(name, cmd, batch, workers, args.steps, tiles, tmp, env))
-    for system, label in REFERENCES:
+    for system, *how in REFERENCES:
         if system in OPTIONAL:
-            add_reference(system, label)
+            add_reference(system, *how)
 
 
 def cpu_runs(args, tiles, tmp, figures):
@@ -229,21 +246,27 @@ class Figures(list):
 
 
 def ratios(figures):
-    """The comparisons the issues ask about, per batch size."""
+    """The comparisons the issues ask about, per batch size: the demo over the
+    tutorial's one GPU, over JAX's mesh, and over the fastest reference."""
     by = {(f["system"], f["batch"]): f["samples_per_s"] for f in figures}
+    references = {label for *_, label in REFERENCES}
     out = {}
     for batch in sorted({f["batch"] for f in figures}):
         one, jax = by.get(("one GPU (mlp.py)", batch)), by.get(("JAX jit over a 2-GPU mesh", batch))
+        best = max(((v, s) for (s, b), v in by.items() if b == batch and s in references),
+                   default=None)
         for system in ("demo 0 1 --sync gpu", "demo 0 1 --exchange xla"):
             mine = by.get((system, batch))
-            if mine and one and jax:
-                out[f"{system} @ {batch}"] = dict(over_one_gpu=mine / one, over_jax_mesh=mine / jax)
+            if mine and one and jax and best:
+                out[f"{system} @ {batch}"] = dict(over_one_gpu=mine / one, over_jax_mesh=mine / jax,
+                                                  over_best_reference=mine / best[0],
+                                                  best_reference=best[1])
     return out
 
 
 def systems(figures):
     """The systems measured, the project's first and the references last."""
-    references = {label for _, label in REFERENCES}
+    references = {label for *_, label in REFERENCES}
     names = list(dict.fromkeys(f["system"] for f in figures))
     return [n for n in names if n not in references] + [n for n in names if n in references]
 
@@ -288,12 +311,14 @@ def table(document):
         lines.append(f"\n{name}: did not run here ({why})")
     for name, r in document.get("ratios", {}).items():
         system, batch = name.split(" @ ")
-        host = by[system, int(batch)].get("host_us_per_call")
+        figure = by[system, int(batch)]
+        host = figure.get("host_us_per_step", figure.get("host_us_per_call"))
         bound = "" if host is None else (
-            f"; the host spends {host:.0f} us of the {by[system, int(batch)]['step_us']:.0f} us "
-            "step queueing it")
+            f"; the host spends {host:.0f} us of the {figure['step_us']:.0f} us step queueing it")
+        best = "" if "best_reference" not in r else (
+            f", {r['over_best_reference']:.3f}x the fastest reference ({r['best_reference']})")
         lines.append(f"\n{name}: {r['over_one_gpu']:.2f}x one GPU, {r['over_jax_mesh']:.3f}x "
-                     f"JAX's own data parallelism{bound}")
+                     f"JAX's own data parallelism{best}{bound}")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """The exchange's copy alone: GPU to GPU, by buffer size, against the link's limit.
 
     python bench/exchange.py [--gpus 0 1] [--out bench/results]
+    python bench/exchange.py --allreduce [GPU ...]        # the N-way exchange beside NCCL
 
 The 2014 demo's ``time_copy_proc.py`` brought up to date.  Two processes,
 each bound to one GPU as ``dual_mlp.py``'s workers are: the first allocates
@@ -18,6 +19,17 @@ nvlink``, or ``--link-gbps``) is a timing error, not a result: the script
 stops with an error and writes no figures.  Writes ``exchange.json`` and
 ``exchange.png``; ``--tables-from JSON`` regenerates the tables of README.md
 and bench/README.md from one.
+
+``--allreduce`` times the whole exchange of ``--sync gpu`` instead: N
+processes, one per GPU, each running ``stream_exchange``'s kernel (publish,
+signal, reduce the N buffers, signal) on a buffer of each size, beside the
+same N processes averaging it with NCCL's all-reduce (``torch.distributed``,
+``ReduceOp.AVG``).  Every result is checked against the mean computed on the
+host (the kernel's bit for bit); a rate that would put more on a GPU's links
+than they carry stops the script.  On one GPU, ``--allreduce 0`` is the
+exchange in a world of one (its own cost, no link), and ``--allreduce 0 0 0``
+three workers time-sliced there, for correctness only.  Writes
+``exchange_allreduce.json``.
 """
 import argparse
 import json
@@ -102,7 +114,7 @@ def owner(args):
     drv.init()
     context = primary_context(drv, 0)
     src = gpu_memory(drv, (args.max_mb << 20) + 4, fill=True)
-    peer = Peer(args.rundir, 0, args.timeout, stopping)
+    peer = Peer(args.rundir, 0, 2, args.timeout, stopping)
     try:
         peer.exchange(drv.mem_get_ipc_handle(src))
         peer.exchange("done", "the end of the copies")  # the reader is done with src
@@ -119,9 +131,9 @@ def reader(args):
     from launcher import stopping
     drv.init()
     context = primary_context(drv, 0)
-    peer = Peer(args.rundir, 1, args.timeout, stopping)
+    peer = Peer(args.rundir, 1, 2, args.timeout, stopping)
     try:
-        src = drv.IPCMemoryHandle(peer.exchange(None))
+        src = drv.IPCMemoryHandle(peer.exchange(None)[0])
         dst = gpu_memory(drv, (args.max_mb << 20) + 4)
         rows = sweep(drv, src, dst, sizes(args.max_mb))
         src.close()
@@ -199,6 +211,169 @@ def run_workers(args):
     return two, json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# -----------------------------------------------------------------------------
+# --allreduce: the N-way exchange of --sync gpu beside NCCL's all-reduce
+
+def allreduce_pattern(rank, n):
+    """What worker ``rank`` holds before an exchange: exact in float32, and
+    different for every worker and every element."""
+    return np.float32(rank + 1) + (np.arange(n) % 1000).astype(np.float32)
+
+
+def expected_mean(n_workers, n):
+    """The mean every worker must hold after one exchange, summed in rank
+    order in float32, as the kernel sums: bit for bit."""
+    total = allreduce_pattern(0, n)
+    for w in range(1, n_workers):
+        total = total + allreduce_pattern(w, n)
+    return total / np.float32(n_workers)
+
+
+def exchange_worker(args):
+    """One of the N processes of the stream exchange's sweep: ``StreamExchange``'s
+    kernel on a PyCUDA buffer, timed with CUDA events on its stream."""
+    import pycuda.driver as drv
+    from exchange import Layout, Peer
+    from launcher import stopping
+    from stream_exchange import StreamExchange
+    drv.init()
+    context = primary_context(drv, 0)
+    byte_sizes = sizes(args.max_mb)
+    most = max(byte_sizes) // 4
+    peer = Peer(args.rundir, args.rank, args.workers, args.timeout, stopping)
+    ex = StreamExchange(args.rank, args.workers, Layout([(most,)], np.float32))
+    buf = gpu_memory(drv, most * 4)
+    stream, begin, end = drv.Stream(), drv.Event(), drv.Event()
+    rows = []
+    try:
+        if args.workers == 1:
+            ex.loopback()
+        else:
+            ex.connect(peer.exchange(ex.handle()))
+        for size in byte_sizes:
+            n = size // 4
+            drv.memcpy_htod(buf, allreduce_pattern(args.rank, n))
+            peer.barrier()
+            ex.launch(stream.handle, int(buf), n)  # one exchange: its result is checked
+            stream.synchronize()
+            got = np.empty(n, np.float32)
+            drv.memcpy_dtoh(got, buf)
+            correct = bool(np.array_equal(got, expected_mean(args.workers, n)))
+            r = repeats(size) if args.timed else 3
+            peer.barrier()
+            begin.record(stream)
+            for _ in range(r):
+                ex.launch(stream.handle, int(buf), n)
+            end.record(stream)
+            end.synchronize()
+            rows.append(dict(bytes=size, repeats=r, us=end.time_since(begin) * 1e3 / r,
+                             data_checked=correct))
+        peer.barrier()  # every kernel done everywhere: the buffers may go
+    finally:
+        ex.close()
+        buf.free()
+        peer.close()
+        context.pop()
+    print(json.dumps(rows))
+
+
+def nccl_worker(args):
+    """One of the N processes of NCCL's sweep: ``torch.distributed.all_reduce``
+    of the same buffer, averaging (``ReduceOp.AVG``), timed with CUDA events."""
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    dist.init_process_group("nccl", rank=args.rank, world_size=args.workers,
+                            device_id=torch.device("cuda", 0))
+    rows = []
+    try:
+        for size in sizes(args.max_mb):
+            n = size // 4
+            data = torch.from_numpy(allreduce_pattern(args.rank, n)).cuda()
+            dist.all_reduce(data, dist.ReduceOp.AVG)
+            # NCCL's own order of sums, and its average by a premultiplied 1 / N
+            correct = bool(np.allclose(data.cpu().numpy(), expected_mean(args.workers, n),
+                                       rtol=1e-6, atol=0))
+            r = repeats(size)
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            dist.barrier()
+            begin.record()
+            for _ in range(r):
+                dist.all_reduce(data, dist.ReduceOp.AVG)
+            end.record()
+            end.synchronize()
+            rows.append(dict(bytes=size, repeats=r, us=begin.elapsed_time(end) * 1e3 / r,
+                             data_checked=correct))
+    finally:
+        dist.destroy_process_group()
+    print(json.dumps(rows))
+
+
+def run_allreduce(args):
+    """Both sweeps, each in one process per worker; returns the rows by size."""
+    gpus = args.allreduce or [str(i) for i in range(gpu_count())]
+    n, shared = len(gpus), len(set(gpus)) < len(gpus)
+    me = [sys.executable, os.path.abspath(__file__), "--max-mb", str(args.max_mb),
+          "--timeout", str(args.timeout), "--workers", str(n)]
+    env = lambda gpu: dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)  # noqa: E731
+
+    def sweep_of(role, extra):
+        procs = [subprocess.Popen(me + ["--role", role, "--rank", str(k)] + extra,
+                                  env=env(gpu), stdout=subprocess.PIPE, text=True)
+                 for k, gpu in enumerate(gpus)]
+        try:
+            outs = [p.communicate(timeout=args.timeout + 120)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        if any(p.returncode for p in procs):
+            sys.exit(f"exchange.py: error: an --allreduce {role} failed (exits "
+                     f"{[p.returncode for p in procs]})")
+        return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+
+    with tempfile.TemporaryDirectory() as rundir:
+        ours = sweep_of("exchange-worker", ["--rundir", rundir] + ([] if shared else ["--timed"]))
+    nccl = None if shared else sweep_of("nccl-worker", ["--port", str(free_port())])
+    rows = []
+    for i, size in enumerate(sizes(args.max_mb)):
+        row = dict(bytes=size, stream_exchange_us=max(w[i]["us"] for w in ours),
+                   stream_exchange_checked=all(w[i]["data_checked"] for w in ours))
+        if nccl:
+            row.update(nccl_us=max(w[i]["us"] for w in nccl),
+                       nccl_checked=all(w[i]["data_checked"] for w in nccl))
+        rows.append(row)
+    return gpus, shared, rows
+
+
+def link_rates(rows, n):
+    """The link's load per GPU, GB/s one way, that each figure implies: the
+    one-shot exchange reads the N - 1 others' buffers; NCCL's all-reduce
+    moves 2 (N - 1) / N of the buffer (its bus bandwidth)."""
+    checks = []
+    for row in rows:
+        for system, moved in (("stream_exchange", n - 1), ("nccl", 2 * (n - 1) / n)):
+            if f"{system}_us" in row:
+                checks.append(dict(bytes=row["bytes"], data_checked=row[f"{system}_checked"],
+                                   gbps=moved * row["bytes"] / row[f"{system}_us"] / 1e3))
+    return checks
+
+
+def allreduce_table(document):
+    """The Markdown table of an exchange_allreduce.json."""
+    timed = document["timed"]
+    head = (f"Measured by `{document['command']}` on {document['date'][:10]}: {document['workers']}"
+            f" workers on GPUs {' '.join(document['gpus'])}; microseconds per all-reduce, every "
+            "result checked" + ("" if timed else " (workers time-sliced on one GPU: correctness "
+                                                 "only, the times are not a result)") + ".")
+    lines = [head, "", "| bytes | the demo's exchange (one kernel) | NCCL all-reduce (AVG) |",
+             "| --- | --- | --- |"]
+    for row in document["rows"]:
+        mark = " (the MLP's weights)" if row["bytes"] == document["mlp_bytes"] else ""
+        nccl = f"{row['nccl_us']:.1f}" if "nccl_us" in row else "not run (one GPU per process)"
+        lines.append(f"| {row['bytes']:,}{mark} | {row['stream_exchange_us']:.1f} | {nccl} |")
+    return "\n".join(lines)
+
+
 def plot(series, limit, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -218,7 +393,9 @@ def plot(series, limit, path):
 
 
 def table(document):
-    """The Markdown table of an exchange.json."""
+    """The Markdown table of an exchange.json (or of an exchange_allreduce.json)."""
+    if "rows" in document:
+        return allreduce_table(document)
     limit = document["link_limit_gbps"]
     lines = [f"Measured by `{document['command']}` on {document['date'][:10]}; the link's limit "
              f"{limit:.0f} GB/s one way ({document['link_limit_source']}); every copy checked.",
@@ -241,14 +418,23 @@ def main():
                              "(default 450: H200 NVLink, 18 links x 25 GB/s)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per process")
     parser.add_argument("--out", default=RESULTS, help="folder for exchange.json and .png")
-    parser.add_argument("--role", choices=("owner", "reader", "single"), help=argparse.SUPPRESS)
-    parser.add_argument("--rundir", help=argparse.SUPPRESS)
+    parser.add_argument("--allreduce", nargs="*", metavar="GPU",
+                        help="instead: the N-way exchange of --sync gpu beside NCCL's "
+                             "all-reduce, one worker per GPU listed (default: every GPU; a GPU "
+                             "named twice time-slices, for correctness only)")
+    for hidden in ("--role", "--rundir", "--rank", "--workers", "--port"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    parser.add_argument("--timed", action="store_true", help=argparse.SUPPRESS)
     args = parse_args(parser, table)
     if args.role:
-        return {"owner": owner, "reader": reader, "single": single}[args.role](args)
+        args.rank, args.workers = int(args.rank or 0), int(args.workers or 2)
+        return {"owner": owner, "reader": reader, "single": single,
+                "exchange-worker": exchange_worker, "nccl-worker": nccl_worker}[args.role](args)
     if not 0 < args.max_mb <= 1024 or math.log2(args.max_mb) % 1:
         parser.error("--max-mb must be a power of two, at most 1024")
     refuse_busy_gpus()
+    if args.allreduce is not None:
+        return allreduce_main(args)
     two, one = run_workers(args)
     limit, source = link_limit(args.gpus[0], args.link_gbps)
     refuse(two, limit, "two processes")
@@ -260,6 +446,33 @@ def main():
     record("exchange", args.out, gpus=args.gpus, link_limit_gbps=limit, link_limit_source=source,
            mlp_bytes=MLP_BYTES, two_processes=two, one_process=one)
     plot(series, limit, os.path.join(args.out, "exchange.png"))
+
+
+def allreduce_main(args):
+    gpus, shared, rows = run_allreduce(args)
+    limit, source = link_limit(gpus[0], args.link_gbps)
+    if not shared:
+        refuse(link_rates(rows, len(gpus)), limit, "--allreduce")
+    elif not all(r["stream_exchange_checked"] for r in rows):
+        sys.exit("exchange.py: error: --allreduce: the exchange's result is wrong")
+    path = record("exchange_allreduce", args.out, block="exchange.py --allreduce", gpus=gpus,
+                  workers=len(gpus), timed=not shared, link_limit_gbps=limit,
+                  link_limit_source=source, mlp_bytes=MLP_BYTES, rows=rows)
+    with open(path) as f:
+        print(allreduce_table(json.load(f)))
+
+
+def gpu_count():
+    import pycuda.driver as drv
+    drv.init()
+    return drv.Device.count()
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -1,19 +1,32 @@
 """What people use instead, on the same model and data, for bench/compare.py.
 
-    python bench/references.py torch --dataset DIR --batches 500 5000 [--steps 200]
-    python bench/references.py ddp   --dataset DIR --batches 500 5000
-    python bench/references.py jax   --dataset DIR --batches 500 5000
+    python bench/references.py torch      --dataset DIR --batches 500 5000 [--steps 200]
+    python bench/references.py ddp        --dataset DIR --batches 500 5000
+    python bench/references.py jax        --dataset DIR --batches 500 5000 [--steps-per-call K]
+    python bench/references.py pytensor   --dataset DIR --batches 500 5000 [--steps-per-call K]
 
 The model is the demo's: 784-500-10, tanh, softmax negative log-likelihood
 plus 1e-4 times the squared L2 norm of the weights, plain SGD, float32 at
 full precision (no TF32), the whole training set resident on each GPU.
-``torch``: PyTorch eager on one GPU; ``torch-compile``: the same model
-through ``torch.compile``; ``ddp``: DistributedDataParallel, one
-process per GPU (NCCL), batch B on each; ``jax``: one jitted step over a
-mesh of every GPU, the global batch (B per GPU) sharded, XLA inserting the
-all-reduce.  Each batch size is warmed up, then timed over ``--steps``
-steps with the device synchronised only at both ends.  Prints one JSON
-object: {batch: {"samples_per_s", "step_us", "gpus"}}.
+
+* ``torch``: PyTorch eager on one GPU; ``torch-compile``: the same model
+  through ``torch.compile``; ``torch-graph``: the whole step (forward,
+  backward, SGD) captured once as a CUDA graph and replayed, the minibatch
+  picked on the GPU from a step counter: PyTorch at its best on a small model.
+* ``ddp``: DistributedDataParallel, one process per GPU (NCCL), batch B on
+  each; ``ddp-graph``: the same with the whole step, the gradients'
+  all-reduce included, captured as a CUDA graph.
+* ``jax``: one jitted step over a mesh of every GPU, the global batch (B per
+  GPU) sharded, XLA inserting the all-reduce; ``--steps-per-call K`` runs K
+  steps in one call (a loop in the program), the host queueing calls.
+* ``pytensor``: the demo's own training step on one GPU at its best: the
+  graph PyTensor compiles from the tutorial (``devices.jax_train_step``),
+  jitted, weights donated, the minibatch picked by a counter on the device,
+  K steps a call (``dual_mlp.repeat``), the host running ahead.
+
+Each batch size is warmed up, then timed over ``--steps`` steps with the
+device synchronised only at both ends.  Prints one JSON object:
+{batch: {"samples_per_s", "step_us", "gpus"}}.
 
 With ``--curve`` (for bench/accuracy.py) it trains ``--epochs`` epochs at
 the first batch size from the tutorial's initial weights, in the demo's
@@ -33,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import datasets  # noqa: E402
 
 N_HIDDEN, WARM_UP = 500, 20
+DDP_GRAPH_WARM_UP = 11  # eager DDP steps before a capture, as PyTorch's CUDA graph notes ask
 # the demo's defaults; --curve takes others
 Hyper = collections.namedtuple("Hyper", "learning_rate l2")
 DEFAULTS = Hyper(0.13, 1e-4)
@@ -53,57 +67,149 @@ def initial_weights(seed=1234):
             np.zeros(10, np.float32)]
 
 
+class TorchModel:
+    """The MLP in PyTorch on GPU ``rank``, the data resident there, and what
+    every PyTorch system shares: its weights reset to the tutorial's, its
+    error rate on a data set."""
+
+    def __init__(self, x, y, rank):
+        import torch
+        torch.backends.cuda.matmul.allow_tf32 = False
+        self.torch, self.device = torch, torch.device("cuda", rank)
+        torch.cuda.set_device(self.device)
+        self.x, self.y = torch.from_numpy(x).to(self.device), \
+            torch.from_numpy(y).long().to(self.device)
+        self.layers = torch.nn.Sequential(torch.nn.Linear(784, N_HIDDEN), torch.nn.Tanh(),
+                                          torch.nn.Linear(N_HIDDEN, 10)).to(self.device)
+        self.weights = [self.layers[0].weight, self.layers[2].weight]
+
+    def loss(self, model, xb, yb, hyper):
+        return self.torch.nn.functional.cross_entropy(model(xb), yb) + \
+            hyper.l2 * sum((w ** 2).sum() for w in self.weights)
+
+    def reset(self):
+        w1, b1, w2, b2 = initial_weights()
+        with self.torch.no_grad():  # torch keeps a layer's weights as (out, in)
+            for p, v in zip(self.layers.parameters(), (w1.T, b1, w2.T, b2)):
+                p.copy_(self.torch.from_numpy(np.ascontiguousarray(v)))
+
+    def error(self, xs, ys):
+        torch = self.torch
+        with torch.no_grad():
+            xs, ys = torch.from_numpy(xs).to(self.device), torch.from_numpy(ys).long().to(
+                self.device)
+            return (self.layers(xs).argmax(1) != ys).float().mean().item()
+
+
 def torch_trainer(x, y, batch, hyper, rank=0, world=1, compiled=False):
     """PyTorch eager on GPU ``rank``; wrapped in DistributedDataParallel where
     ``world`` > 1 (the process group already set up); through ``torch.compile``
     where ``compiled``."""
     import torch
-    torch.backends.cuda.matmul.allow_tf32 = False
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).long().to(device)
-    layers = torch.nn.Sequential(torch.nn.Linear(784, N_HIDDEN), torch.nn.Tanh(),
-                                 torch.nn.Linear(N_HIDDEN, 10)).to(device)
-    model = layers
+    m = TorchModel(x, y, rank)
+    model = m.layers
     if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(layers, device_ids=[rank])
+        model = torch.nn.parallel.DistributedDataParallel(m.layers, device_ids=[rank])
     if compiled:
         model = torch.compile(model)
-    weights = [layers[0].weight, layers[2].weight]
     optimiser = torch.optim.SGD(model.parameters(), lr=hyper.learning_rate)
     n_batches, t = len(x) // (batch * world), 0
 
     def reset():
         nonlocal t
-        w1, b1, w2, b2 = initial_weights()
-        with torch.no_grad():  # torch keeps a layer's weights as (out, in)
-            for p, v in zip(layers.parameters(), (w1.T, b1, w2.T, b2)):
-                p.copy_(torch.from_numpy(np.ascontiguousarray(v)))
+        m.reset()
         t = 0
 
     def run_steps(n):
         nonlocal t
         for _ in range(n):
             start = (t % n_batches * world + rank) * batch  # rank's part of minibatch t
-            xb, yb = x[start:start + batch], y[start:start + batch]
-            loss = torch.nn.functional.cross_entropy(model(xb), yb) + \
-                hyper.l2 * sum((w ** 2).sum() for w in weights)
+            loss = m.loss(model, m.x[start:start + batch], m.y[start:start + batch], hyper)
             optimiser.zero_grad(set_to_none=True)
             loss.backward()
             optimiser.step()
             t += 1
 
-    @torch.no_grad()
-    def error(xs, ys):
-        xs, ys = torch.from_numpy(xs).to(device), torch.from_numpy(ys).long().to(device)
-        return (layers(xs).argmax(1) != ys).float().mean().item()
+    reset()
+    return Trainer(run_steps, torch.cuda.synchronize, m.error, reset, world, n_batches)
+
+
+def torch_graph_trainer(x, y, batch, hyper, rank=0, world=1):
+    """The whole step captured once as a CUDA graph (forward, backward, the
+    gradients' all-reduce where ``world`` > 1, SGD), then replayed: one launch
+    a step.  The minibatch comes from a step counter on the GPU, picked with
+    ``index_select`` (indexing with a 0-d tensor would wait for the GPU)."""
+    import torch
+    m = TorchModel(x, y, rank)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # DDP is built, and warmed up, off the capture's stream
+        model = m.layers if world == 1 else torch.nn.parallel.DistributedDataParallel(
+            m.layers, device_ids=[rank])
+    params = list(m.layers.parameters())
+    n_batches = len(x) // (batch * world)
+    t = torch.zeros((), dtype=torch.long, device=m.device)
+    rows = torch.arange(batch, device=m.device)
+
+    def step():
+        index = rows + (t % n_batches * world + rank) * batch  # rank's part of minibatch t
+        loss = m.loss(model, m.x.index_select(0, index), m.y.index_select(0, index), hyper)
+        loss.backward()
+        with torch.no_grad():
+            for p in params:
+                p.add_(p.grad, alpha=-hyper.learning_rate)
+        t.add_(1)
+
+    with torch.cuda.stream(side):
+        for _ in range(DDP_GRAPH_WARM_UP):
+            for p in params:
+                p.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for p in params:
+        p.grad = None  # the capture's backward then writes the gradients, not adds to them
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    def reset():
+        m.reset()
+        t.zero_()
+
+    def run_steps(n):
+        for _ in range(n):
+            graph.replay()
 
     reset()
-    return Trainer(run_steps, torch.cuda.synchronize, error, reset, world, n_batches)
+    return Trainer(run_steps, torch.cuda.synchronize, m.error, reset, world, n_batches)
 
 
-def jax_trainer(x, y, batch, hyper):
-    """One jitted step over a mesh of every GPU, the global batch sharded."""
+def logits(params, xb):
+    import jax.numpy as jnp
+    w1, b1, w2, b2 = params
+    return jnp.tanh(xb @ w1 + b1) @ w2 + b2
+
+
+def error_rate(params, xs, ys):
+    import jax.numpy as jnp
+    return jnp.mean(jnp.argmax(logits(params, xs), 1) != ys)
+
+
+def loop_of(step, steps_per_call):
+    """``run(n)``: n steps of ``step(k)`` (k steps in one call), in calls of
+    ``steps_per_call`` and one for what is left."""
+    def run(n):
+        full, rest = divmod(n, steps_per_call)
+        for _ in range(full):
+            step(steps_per_call)
+        if rest:
+            step(rest)
+    return run
+
+
+def jax_trainer(x, y, batch, hyper, steps_per_call=1):
+    """One jitted program over a mesh of every GPU, the global batch sharded;
+    ``steps_per_call`` steps in each call, the step counter on the devices."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -112,19 +218,19 @@ def jax_trainer(x, y, batch, hyper):
     world = len(jax.devices())
     replicated = NamedSharding(mesh, P())
 
-    def logits(params, xb):
-        w1, b1, w2, b2 = params
-        return jnp.tanh(xb @ w1 + b1) @ w2 + b2
-
     def loss(params, xb, yb):
         nll = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits(params, xb)),
                                             yb[:, None], 1))
         return nll + hyper.l2 * (jnp.sum(params[0] ** 2) + jnp.sum(params[2] ** 2))
 
-    @functools.partial(jax.jit, donate_argnums=0)  # the weights, updated in place
-    def step(params, data_x, data_y, t):
-        grads = jax.grad(loss)(params, data_x[t], data_y[t])
-        return [p - hyper.learning_rate * g for p, g in zip(params, grads)]
+    def one(params, t, data_x, data_y):
+        grads = jax.grad(loss)(params, data_x[t % n_batches], data_y[t % n_batches])
+        return [p - hyper.learning_rate * g for p, g in zip(params, grads)], t + 1
+
+    @functools.partial(jax.jit, static_argnums=4, donate_argnums=(0, 1))  # updated in place
+    def steps(params, t, data_x, data_y, k):
+        return jax.lax.fori_loop(0, k, lambda _, s: one(*s, data_x, data_y), (params, t),
+                                 unroll=min(k, 5))
 
     n_batches = len(x) // (batch * world)
     rows = n_batches * batch * world
@@ -133,26 +239,62 @@ def jax_trainer(x, y, batch, hyper):
                             NamedSharding(mesh, P(None, "gpus")))
     data_y = jax.device_put(y[:rows].reshape(n_batches, batch * world),
                             NamedSharding(mesh, P(None, "gpus")))
-    indices = [jnp.int32(t) for t in range(n_batches)]
-    errors = jax.jit(lambda params, xs, ys: jnp.mean(jnp.argmax(logits(params, xs), 1) != ys))
+    errors = jax.jit(error_rate)
     state = {}
 
     def reset():
-        state.update(t=0, params=[jax.device_put(w, replicated) for w in initial_weights()])
+        state.update(t=jax.device_put(np.int32(0), replicated),
+                     params=[jax.device_put(w, replicated) for w in initial_weights()])
 
-    def run_steps(n):
-        for _ in range(n):
-            state["params"] = step(state["params"], data_x, data_y,
-                                   indices[state["t"] % n_batches])
-            state["t"] += 1
+    def step(k):
+        state["params"], state["t"] = steps(state["params"], state["t"], data_x, data_y, k)
 
     def error(xs, ys):
         return float(errors(state["params"], jax.device_put(xs, replicated),
                             jax.device_put(ys, replicated)))
 
     reset()
-    return Trainer(run_steps, lambda: jax.block_until_ready(state["params"]), error, reset,
-                   world, n_batches)
+    return Trainer(loop_of(step, steps_per_call), lambda: jax.block_until_ready(state["params"]),
+                   error, reset, world, n_batches)
+
+
+def pytensor_trainer(dataset, batch, hyper, steps_per_call=1):
+    """The demo's own step on this process's one GPU, at its best (see the
+    module's text); the programs of k steps each compiled on first use."""
+    import jax
+    import jax.numpy as jnp
+    import theano_flags  # noqa: F401  (float32, as the scripts run)
+    import dual_mlp
+    import mlp
+    from devices import JaxDevice, jax_train_step, storage
+    from logistic_sgd import load_data
+    device = JaxDevice()
+    model = mlp.Model(load_data(dataset, put=device.put), batch, learning_rate=hyper.learning_rate,
+                      L2_reg=hyper.l2, mode="JAX")
+    train, data = jax_train_step(model)
+    n = model.n_train_batches
+
+    def one(data, counter, params):
+        return counter + 1, train(counter % n, data, params)[1]
+    programs = {}
+    errors = jax.jit(error_rate)
+    initial = [jnp.array(storage(p)) for p in model.params]
+    state = {}
+
+    def reset():
+        state["state"] = (device.put(np.int32(0)), [p.copy() for p in initial])
+
+    def step(k):
+        if k not in programs:
+            programs[k] = jax.jit(dual_mlp.repeat(one, k), donate_argnums=(1, 2))
+        state["state"] = programs[k](data, *state["state"])
+
+    def error(xs, ys):
+        return float(errors(state["state"][1], device.put(xs), device.put(ys)))
+
+    reset()
+    return Trainer(loop_of(step, steps_per_call), lambda: jax.block_until_ready(state["state"]),
+                   error, reset, 1, n)
 
 
 def step_us(run_steps, synchronize, steps):
@@ -202,11 +344,17 @@ def curve(trainer, epochs, valid, test):
 def job(args, data, rank=0, world=1):
     """What the command line asks for, on one process (``rank`` of ``world``)."""
     (x, y), valid, test = data
-    if args.system == "jax":
-        trainer_for = functools.partial(jax_trainer, x, y, hyper=args.hyper)
-    else:
-        trainer_for = functools.partial(torch_trainer, x, y, hyper=args.hyper, rank=rank,
-                                        world=world, compiled=args.system == "torch-compile")
+    trainer_for = {
+        "jax": functools.partial(jax_trainer, x, y, hyper=args.hyper,
+                                 steps_per_call=args.steps_per_call),
+        "pytensor": functools.partial(pytensor_trainer, args.dataset, hyper=args.hyper,
+                                      steps_per_call=args.steps_per_call),
+        "torch-graph": functools.partial(torch_graph_trainer, x, y, hyper=args.hyper,
+                                         rank=rank, world=world),
+        "ddp-graph": functools.partial(torch_graph_trainer, x, y, hyper=args.hyper,
+                                       rank=rank, world=world),
+    }.get(args.system) or functools.partial(torch_trainer, x, y, hyper=args.hyper, rank=rank,
+                                            world=world, compiled=args.system == "torch-compile")
     if args.curve:
         return curve(trainer_for(args.batches[0]), args.epochs, valid, test)
     return rates(trainer_for, args.batches, args.steps)
@@ -215,6 +363,8 @@ def job(args, data, rank=0, world=1):
 def ddp_worker(rank, world, port, args, queue):
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.system == "ddp-graph":  # a collective in a CUDA graph: PyTorch's notes ask for it
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
     dist.init_process_group("nccl", rank=rank, world_size=world)
     try:
         # read here: data handed to mp.spawn would be pickled through a pipe,
@@ -243,10 +393,13 @@ def ddp(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("system", choices=("torch", "torch-compile", "ddp", "jax"))
+    parser.add_argument("system", choices=("torch", "torch-compile", "torch-graph", "ddp",
+                                           "ddp-graph", "jax", "pytensor"))
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--batches", type=int, nargs="+", required=True, help="per GPU")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps-per-call", type=int, default=1,
+                        help="jax, pytensor: steps in one compiled call")
     parser.add_argument("--curve", action="store_true",
                         help="train --epochs at the first batch size and print the learning "
                              "curve instead of the speed")
@@ -255,7 +408,7 @@ def main():
     parser.add_argument("--l2", type=float, default=DEFAULTS.l2)
     args = parser.parse_args()
     args.hyper = Hyper(args.learning_rate, args.l2)
-    result = ddp(args) if args.system == "ddp" else job(args, datasets.read(args.dataset))
+    result = ddp(args) if args.system.startswith("ddp") else job(args, datasets.read(args.dataset))
     print(json.dumps(result))
 
 

@@ -5,8 +5,9 @@
 
 For each worker count N up to the GPUs this machine has (1, 2, 4, 8) and each
 batch size per GPU: the demo on N GPUs with ``--exchange xla`` (N = 1: the
-project's model on one GPU, ``mlp.py``), the GPU-ordered peer-to-peer
-exchange where it applies (N = 2), and JAX's own data parallelism over the
+project's model on one GPU, ``mlp.py``), the peer-to-peer exchange
+(``--exchange p2p``: ordered by the GPUs, by the host on CPUs) from N = 2 on,
+and JAX's own data parallelism over the
 same N GPUs (``bench/references.py jax`` with those GPUs visible).  Scaling
 efficiency is N-worker samples/s over N times the one-worker figure of the
 same system.  A short ``--check`` run per N confirms identical replicas.  A
@@ -47,10 +48,8 @@ def runs_for(n, cpu):
         one = (DEMO, [], {"THEANO_FLAGS": "device=cuda0"})
     if n == 1:
         return [one]
-    runs = [(DEMO, devices + ["--exchange", "xla"], {})]
-    if n == 2:
-        runs.append(("the demo, peer to peer", devices, {}))
-    return runs
+    return [(DEMO, devices + ["--exchange", "xla"], {}),
+            ("the demo, peer to peer", devices + ["--exchange", "p2p"], {})]
 
 
 def measure(args, tiles, tmp):
@@ -60,8 +59,8 @@ def measure(args, tiles, tmp):
         jax_env = ({"JAX_PLATFORMS": "cpu",
                     "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
                    if args.cpu else {"CUDA_VISIBLE_DEVICES": visible})
-        for f in reference("jax", JAX, args.batches, args.steps, tiles(n * max(args.batches))[0],
-                           jax_env):
+        for f in reference("jax", [], jax_env, JAX, args.batches, args.steps,
+                           tiles(n * max(args.batches))[0]):
             figures.append(dict(f, workers=n))
         for batch in args.batches:
             for system, cmd, env in runs_for(n, args.cpu):

@@ -1,9 +1,9 @@
-"""One side of a two-process weight exchange, for test_gpu.py.
+"""One worker of an N-process weight exchange, for test_gpu.py.
 
-    python tests/ipc_probe.py RANK RUNDIR GPU [--staged]
+    python tests/ipc_probe.py RANK N RUNDIR GPU [--staged]
 
 Publishes the MLP's parameter shapes filled with this rank's random numbers,
-fetches the peer's through the real transport, and exits 0 only if every
+fetches everyone's through the real transport, and exits 0 only if every
 value arrived bit for bit (three rounds, the send buffers reused)."""
 import os
 import sys
@@ -24,11 +24,11 @@ def arrays(rank, round_):
 
 
 def main():
-    rank, rundir, gpu = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    rank, n, rundir, gpu = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     device = CudaDevice(gpu)  # started with CUDA_VISIBLE_DEVICES=gpu, as a worker is
     layout = Layout(mlp.parameter_shapes(784, 500, 10), np.float32)
-    transport = exchange.transport(device, rundir, rank, layout, "--staged" in sys.argv)
-    peer = Peer(rundir, rank, 60, threading.Event())
+    transport = exchange.transport(device, rundir, rank, n, layout, "--staged" in sys.argv)
+    peer = Peer(rundir, rank, n, 60, threading.Event())
     try:
         transport.connect(peer.exchange(transport.handle()))
         for round_ in range(3):
@@ -38,10 +38,12 @@ def main():
             peer.barrier()
             transport.fetch()
             peer.barrier()
-            got = layout.views(device.to_host(transport.recv))
-            for shape, a, b in zip(layout.shapes, got, arrays(1 - rank, round_)):
-                if not np.array_equal(a, b):
-                    sys.exit(f"round {round_}: parameter of shape {shape} differs")
+            got = layout.slots(device.to_host(transport.recv), n)
+            for worker in range(n):
+                for shape, a, b in zip(layout.shapes, got[worker], arrays(worker, round_)):
+                    if not np.array_equal(a, b):
+                        sys.exit(f"round {round_}: worker {worker}'s parameter of shape {shape} "
+                                 "differs")
     finally:
         peer.close()
         transport.close()

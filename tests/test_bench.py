@@ -1,6 +1,8 @@
 """The benchmark script itself, on its CPU subset: real runs, real figures."""
 import json
 
+import pytest
+
 from conftest import script
 from datasets import SHIPPED
 
@@ -122,10 +124,12 @@ def test_accuracy_cpu_subset_records_curves_and_when_each_system_reached_the_tar
     assert (tmp_path / "accuracy_cpu.png").stat().st_size > 10000
 
 
-def test_jax_reference_trains_the_tutorial_model_like_mlp_py(tmp_path):
-    """The reference's learning curve is mlp.py's: same weights, minibatches and order."""
-    out = script("bench/references.py", "jax", "--curve", "--dataset", SHIPPED, "--batches", 100,
-                 "--epochs", 2, "--learning-rate", 0.1, "--l2", 0)
+@pytest.mark.parametrize("system,k", [("jax", 1), ("jax", 4), ("pytensor", 4)])
+def test_jax_reference_trains_the_tutorial_model_like_mlp_py(tmp_path, system, k):
+    """The reference's learning curve is mlp.py's: same weights, minibatches and
+    order, one step or K steps a call (30 steps an epoch: calls of 4 and 2)."""
+    out = script("bench/references.py", system, "--curve", "--dataset", SHIPPED, "--batches", 100,
+                 "--epochs", 2, "--learning-rate", 0.1, "--l2", 0, "--steps-per-call", k)
     assert out.returncode == 0, out.stderr
     reference = json.loads(out.stdout.strip().splitlines()[-1])["curve"]
     out = script("mlp.py", "--batch-size", 100, "--epochs", 2, "--learning-rate", 0.1, "--l2", 0,
@@ -169,13 +173,14 @@ def test_scaling_cpu_measures_one_to_three_workers_with_identical_replicas(tmp_p
             assert f["samples_per_s"] > 0
             assert f["efficiency"] == (1.0 if n == 1 else
                                        f["samples_per_s"] / (n * seen[system, 1]["samples_per_s"]))
-    assert ("the demo, peer to peer", 2) in seen
+    assert ("the demo, peer to peer", 2) in seen and ("the demo, peer to peer", 3) in seen
     assert (tmp_path / "scaling_cpu.png").stat().st_size > 10000
-    # the table: one row per system, a column per worker count, the peer-to-peer run at 2 only
+    # the table: one row per system, a column per worker count, peer to peer from 2 on
     assert "| system | batch per worker | 1 worker | 2 workers | 3 workers |" in out.stdout
-    peer = seen["the demo, peer to peer", 2]
-    assert (f"| the demo, peer to peer | 100 |  | {peer['samples_per_s'] / 1e6:.2f} M "
-            f"({peer['efficiency']:.2f}) |  |") in out.stdout
+    two, three = seen["the demo, peer to peer", 2], seen["the demo, peer to peer", 3]
+    assert (f"| the demo, peer to peer | 100 |  | {two['samples_per_s'] / 1e6:.2f} M "
+            f"({two['efficiency']:.2f}) | {three['samples_per_s'] / 1e6:.2f} M "
+            f"({three['efficiency']:.2f}) |") in out.stdout
 
 
 def test_step_profile_cpu_times_both_steps_and_names_their_kernels(tmp_path):
@@ -190,3 +195,22 @@ def test_step_profile_cpu_times_both_steps_and_names_their_kernels(tmp_path):
         assert any("dot" in k["kernel"] or "fusion" in k["kernel"] for k in system["kernels"])
         times = [k["us_per_step"] for k in system["kernels"]]
         assert times == sorted(times, reverse=True) and times[-1] > 0
+
+
+def test_step_cost_cpu_times_the_plain_and_the_gpu_ordered_step_and_counts_the_exchanges(
+        tmp_path):
+    """On the CPU the exchange is a host echo (no kernels): the script's run of
+    dual_mlp.GpuOrdered, its figures and the once-a-step count are what is tested."""
+    out = script("bench/step_cost.py", "--cpu", "--out", tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "step_cost_cpu.json").read_text())
+    assert result["command"].startswith("python bench/step_cost.py") and result["target"] == 1.15
+    seen = {(f["system"], f["steps_per_call"]): f for f in result["figures"]}
+    assert set(seen) == {(s, k) for s in ("plain step", "GPU-ordered step, loopback")
+                         for k in (1, 10)}
+    for k in (1, 10):
+        ordered, plain = seen["GPU-ordered step, loopback", k], seen["plain step", k]
+        assert ordered["exchange_steps"] == ordered["steps_run"] >= 40
+        assert ordered["over_plain"] == ordered["step_us"] / plain["step_us"]
+        assert plain["step_us"] > 0 and plain["host_us_per_step"] > 0
+    assert "| 100 | 10 |" in out.stdout

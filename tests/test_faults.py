@@ -192,14 +192,14 @@ def test_the_last_message_before_a_close_is_delivered(tmp_path):
     got = {}
 
     def last_to_finish():
-        peer = Peer(str(tmp_path), 0, 30, StopRequest())
-        got["array"] = peer.exchange("small")
+        peer = Peer(str(tmp_path), 0, 2, 30, StopRequest())
+        got["array"] = peer.exchange("small")[1]
         peer.close()
 
     thread = threading.Thread(target=last_to_finish)
     thread.start()
-    peer = Peer(str(tmp_path), 1, 30, StopRequest())
-    assert peer.exchange(big) == "small"
+    peer = Peer(str(tmp_path), 1, 2, 30, StopRequest())
+    assert peer.exchange(big)[0] == "small"
     peer.close()  # at once, as a worker that has finished
     thread.join(40)
     assert not thread.is_alive() and np.array_equal(got["array"], big)

@@ -20,6 +20,11 @@ N_GPUS = usable_gpus()[0]
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(N_GPUS == 0, reason="no usable GPU (PyCUDA + JAX with CUDA)")]
 PAIR = ["0", "1"] if N_GPUS >= 2 else ["0", "0"]
+SHARED = ["0", "0"]  # both workers on one GPU: what a one-GPU machine can test
+TWO_GPUS = pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs")
+# the GPU-ordered exchange, on two GPUs where there are, time-sliced on one GPU anyway
+ORDERED_PAIRS = [pytest.param(["0", "1"], marks=TWO_GPUS, id="two-gpus"),
+                 pytest.param(SHARED, id="one-gpu")]
 
 
 def run_json(tmp_path, name, *args, env=None):
@@ -29,13 +34,15 @@ def run_json(tmp_path, name, *args, env=None):
     return json.loads((tmp_path / f"{name}.json").read_text()), out
 
 
-@pytest.mark.parametrize("devices,staged", [(PAIR, False), (["0", "0"], False), (PAIR, True)])
+@pytest.mark.parametrize("devices,staged", [(PAIR, False), (SHARED, False), (PAIR, True),
+                                            (["0", "0", "0"], False)])
 def test_ipc_copy_is_exact_for_every_parameter_shape(devices, staged):
     with tempfile.TemporaryDirectory() as rundir:
         procs = [subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "ipc_probe.py"), str(rank), rundir, dev]
-            + (["--staged"] if staged else []), env=worker_environment(dev, 2),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [sys.executable, str(ROOT / "tests" / "ipc_probe.py"), str(rank), str(len(devices)),
+             rundir, dev] + (["--staged"] if staged else []),
+            env=worker_environment(dev, len(devices)), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
             for rank, dev in enumerate(devices)]
         for p in procs:
             out, err = p.communicate(timeout=120)
@@ -125,20 +132,64 @@ def test_injected_failure_inside_an_exchange_on_gpus(no_leftovers):
         f"error: worker 0 (device {PAIR[0]}) failed: RuntimeError: fault injected at exchange")
 
 
-@pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs")
-def test_gpu_ordered_exchange_keeps_replicas_identical_and_follows_the_host_ordered_run(tmp_path):
+@pytest.mark.parametrize("devices", ORDERED_PAIRS)
+def test_gpu_ordered_exchange_keeps_replicas_identical_and_follows_the_host_ordered_run(
+        tmp_path, devices):
     """The same arithmetic in another order of launches: the tolerance is
-    float32 reordering (XLA fuses the average into the next step), nothing more."""
-    gpu, out = run_json(tmp_path, "gpu", "0", "1", "--epochs", 3, "--check")
-    host, _ = run_json(tmp_path, "host", "0", "1", "--epochs", 3, "--sync", "host")
-    assert gpu["sync"] == "gpu" and "ordered by the GPUs" in out.stdout
+    float32 reordering (XLA fuses the average into the next step), nothing more;
+    one step per call and the default (15 steps an epoch: calls of 10 and 5)
+    alike.  The exchange ran once a step: its counter equals the steps run."""
+    host, _ = run_json(tmp_path, "host", *devices, "--epochs", 3, "--sync", "host")
+    for k in ("1", None):
+        gpu, out = run_json(tmp_path, "gpu", *devices, "--epochs", 3, "--check", "--sync", "gpu",
+                            *(["--steps-per-call", k] if k else []))
+        assert gpu["sync"] == "gpu" and "ordered by the GPUs" in out.stdout
+        assert gpu["max_replica_diff"] == 0.0
+        assert gpu["exchange_steps"] == gpu["epochs_run"] * gpu["steps_per_epoch"] == 45
+        assert gpu["steps_per_call"] == (1 if k else 10)
+        if devices == SHARED:
+            assert "the GPU-ordered exchange runs there time-sliced" in out.stdout
+        np.testing.assert_allclose(gpu["validation_errors"], host["validation_errors"],
+                                   atol=0.003)
+        for a, b in zip(records.load_checkpoint(str(tmp_path / "gpu.npz"), SHAPES)[0],
+                        records.load_checkpoint(str(tmp_path / "host.npz"), SHAPES)[0]):
+            np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+        print(f"exchange callbacks run: {gpu['exchange_callbacks']} in "
+              f"{gpu['epochs_run'] * gpu['steps_per_epoch']} steps, {gpu['steps_per_call']} "
+              f"a call; host {gpu['host_us_per_step']:.0f} us a step")
+
+
+@pytest.mark.parametrize("sync", ["gpu", "host"])
+def test_three_workers_on_one_gpu_follow_the_cpu_path(tmp_path, sync):
+    """The N-way exchange with three workers time-sliced on one GPU, ordered
+    by the GPU (one kernel a step) or by the host (zmq barriers), against
+    three CPU workers: identical replicas, the CPU path's curve and weights."""
+    gpu, out = run_json(tmp_path, "gpu", "0", "0", "0", "--sync", sync, "--epochs", 2, "--check")
+    cpu, _ = run_json(tmp_path, "cpu", "cpu", "cpu", "cpu", "--exchange", "p2p", "--epochs", 2)
+    assert gpu["workers"] == 3 and gpu["exchange"] == "p2p" and gpu["sync"] == sync
     assert gpu["max_replica_diff"] == 0.0
-    np.testing.assert_allclose(gpu["validation_errors"], host["validation_errors"], atol=0.003)
+    if sync == "gpu":
+        assert gpu["exchange_steps"] == gpu["epochs_run"] * gpu["steps_per_epoch"] == 20
+        assert "3 workers on GPU 0: the GPU-ordered exchange runs there time-sliced" in out.stdout
+    np.testing.assert_allclose(gpu["validation_errors"], cpu["validation_errors"], atol=0.003)
     for a, b in zip(records.load_checkpoint(str(tmp_path / "gpu.npz"), SHAPES)[0],
-                    records.load_checkpoint(str(tmp_path / "host.npz"), SHAPES)[0]):
-        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
-    print(f"exchange callbacks run: {gpu['exchange_callbacks']} in "
-          f"{gpu['epochs_run'] * gpu['steps_per_epoch']} steps")
+                    records.load_checkpoint(str(tmp_path / "cpu.npz"), SHAPES)[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_the_exchange_bench_checks_the_n_way_kernel_on_one_gpu(tmp_path):
+    """bench/exchange.py --allreduce: a world of one (its own cost), and three
+    workers time-sliced on GPU 0, every result checked against the host's mean."""
+    for gpus in (["0"], ["0", "0", "0"]):
+        out = subprocess.run([sys.executable, str(ROOT / "bench" / "exchange.py"), "--allreduce",
+                              *gpus, "--max-mb", "4", "--out", str(tmp_path)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        result = json.loads((tmp_path / "exchange_allreduce.json").read_text())
+        assert result["workers"] == len(gpus) and result["timed"] == (len(gpus) == 1)
+        assert all(r["stream_exchange_checked"] for r in result["rows"])
+        assert all(r.get("nccl_checked", True) for r in result["rows"])
+        print(out.stdout.strip().splitlines()[-3:])
 
 
 @pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs")
@@ -149,17 +200,21 @@ def test_xla_exchange_on_two_gpus_keeps_replicas_identical(tmp_path):
     np.testing.assert_allclose(xla["validation_errors"], host["validation_errors"], atol=0.003)
 
 
-@pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("sync", ["gpu", "xla"])
-def test_gpu_ordered_run_killed_or_stalled_or_interrupted_stops(tmp_path, no_leftovers, sync):
+@pytest.mark.parametrize("sync,devices", [
+    pytest.param("gpu", ["0", "1"], marks=TWO_GPUS, id="gpu-two-gpus"),
+    pytest.param("xla", ["0", "1"], marks=TWO_GPUS, id="xla-two-gpus"),
+    pytest.param("gpu", SHARED, id="gpu-one-gpu"),
+    pytest.param("gpu", ["0", "0", "0"], id="gpu-three-on-one-gpu")])
+def test_gpu_ordered_run_killed_or_stalled_or_interrupted_stops(tmp_path, no_leftovers, sync,
+                                                                devices):
     """The survivor's GPU may wait for ever on a peer that is gone: its host must not."""
     args = ["--exchange", "xla"] if sync == "xla" else ["--sync", "gpu"]
-    proc = start_dual("0", "1", *args, "--epochs", 100000, "--batch-size", 100, "--timeout", 3)
+    proc = start_dual(*devices, *args, "--epochs", 100000, "--batch-size", 100, "--timeout", 3)
     wait_until_training(proc)
-    took = kill_one_worker(proc, 1, "1")
+    took = kill_one_worker(proc, 1, devices[1])
     print(f"{sync}: launcher stopped {took:.2f} s after a worker was killed")
 
-    proc = start_dual("0", "1", *args, "--epochs", 100000, "--batch-size", 100, "--timeout", 3)
+    proc = start_dual(*devices, *args, "--epochs", 100000, "--batch-size", 100, "--timeout", 3)
     wait_until_training(proc)
     workers_of(proc)[1].send_signal(signal.SIGSTOP)
     code, took, err = finish(proc, timeout=30)
@@ -168,7 +223,7 @@ def test_gpu_ordered_run_killed_or_stalled_or_interrupted_stops(tmp_path, no_lef
     print(f"{sync}: a stalled worker reported after {took:.2f} s: {err.splitlines()[-1]}")
 
     ckpt = tmp_path / "m.npz"
-    proc = start_dual("0", "1", *args, "--epochs", 100000, "--batch-size", 100, "--save", ckpt)
+    proc = start_dual(*devices, *args, "--epochs", 100000, "--batch-size", 100, "--save", ckpt)
     wait_until_training(proc)
     wait_for(ckpt.exists, 60, "a first checkpoint")
     os.killpg(proc.pid, signal.SIGINT)

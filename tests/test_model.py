@@ -128,11 +128,11 @@ def test_after_the_warm_up_the_jax_step_does_not_compile_again():
 
 def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_weights(
         monkeypatch):
-    """The JAX side of ``--sync gpu`` (flat weights, the averaging folded into
-    the next step, the minibatch picked by a counter in the donated state),
-    run on JAX's CPU with an exchange that hands back this worker's own new
-    weights, as a peer with the same weights would: each step must then be
-    PyTensor's own SGD step.  The CUDA side runs in the GPU tests."""
+    """The JAX side of ``--sync gpu`` (flat weights, the minibatch picked by a
+    counter in the donated state, K steps a call), run on JAX's CPU with an
+    exchange that hands back this worker's own new weights, as the mean of
+    replicas that all hold them would be: each step must then be PyTensor's
+    own SGD step.  The CUDA side runs in the GPU tests."""
     import dual_mlp
     import stream_exchange
     from devices import JaxDevice
@@ -140,11 +140,11 @@ def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_wei
     class EchoExchange:
         callbacks = 0
 
-        def __init__(self, device, layout):
+        def __init__(self, rank, n_workers, layout):
             pass
 
-        def __call__(self, new, received):
-            return new + 0 * received
+        def __call__(self, new):
+            return new
 
     monkeypatch.setattr(stream_exchange, "StreamExchange", EchoExchange)
     device = JaxDevice()
@@ -153,7 +153,8 @@ def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_wei
     model.warm_up(put=device.put)
     start = model.get_params()
     no_peer = types.SimpleNamespace(gather=None, barrier=lambda: None)
-    trainer = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, timeout=30)
+    trainer = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, timeout=30,
+                                  steps_per_call=1)
     trainer.done = lambda step: True  # no counter in host memory without the CUDA side
     trainer.epoch(5)
     for i in range(5):
@@ -161,3 +162,68 @@ def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_wei
     for mine, theirs in zip(trainer.weights(), model.get_params()):
         np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-7)
     assert not np.allclose(trainer.weights()[0], start[0])  # it did train
+
+    # K steps per call: the same steps in the same order, the programs of 4
+    # and of the 2 left at the end of an epoch of 30 taking the same minibatches
+    model.set_params(start, put=device.put)
+    many = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, timeout=30,
+                               steps_per_call=4)
+    many.done = trainer.done
+    one = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, timeout=30,
+                              steps_per_call=1)
+    one.done = trainer.done
+    for t in (many, one):
+        t.epoch(30)
+    assert sorted(many.programs) == [2, 4] and many.calls == 8 and one.calls == 30
+    for a, b in zip(many.weights(), one.weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_gpu_ordered_programs_are_compiled_before_the_first_epoch(monkeypatch):
+    """The GPU-ordered trainer compiles its programs ahead (no peer is there
+    yet to run them) and then calls them through jit, whose fast dispatch a
+    compiled-ahead program with a callback in it does not get: the first
+    epoch must find them compiled.  The exchange here is a host callback
+    that counts its calls, as the kernels' counter does: once a step."""
+    import logging
+
+    import jax
+    from jax.experimental.buffer_callback import buffer_callback
+
+    import dual_mlp
+    import stream_exchange
+    from devices import JaxDevice
+
+    class CountingEcho:
+        callbacks = 0
+
+        def __init__(self, rank, n_workers, layout):
+            self.steps = 0
+
+        def __call__(self, new):
+            return buffer_callback(self.count, [jax.ShapeDtypeStruct(new.shape, new.dtype)],
+                                   has_side_effect=False, input_output_aliases={0: 0})(new)[0]
+
+        def count(self, ctx, out, new):
+            self.steps += 1
+
+        def steps_done(self):
+            return self.steps
+
+    monkeypatch.setattr(stream_exchange, "StreamExchange", CountingEcho)
+    device = JaxDevice()
+    model = mlp.Model(load_data(datasets.SHIPPED, put=device.put), 100, mode="JAX")
+    no_peer = types.SimpleNamespace(gather=None, barrier=lambda: None)
+    trainer = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, timeout=30,
+                                  steps_per_call=4)
+    compiled = []
+    handler = logging.Handler()
+    handler.emit = lambda record: compiled.append(record.getMessage())
+    logging.getLogger("jax").addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            trainer.epoch(30)  # calls of 4, and the 2 left at the end
+    finally:
+        logging.getLogger("jax").removeHandler(handler)
+    assert not [m for m in compiled if "Compiling" in m], compiled
+    assert trainer.exchange.steps_done() == trainer.steps == 30

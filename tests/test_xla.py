@@ -1,6 +1,7 @@
-"""More than two workers, and more than one launcher, on JAX's distributed
-runtime (--exchange xla, gloo between CPU processes): real processes, real
-sockets, the shipped digits."""
+"""More than two workers, and more than one launcher: on JAX's distributed
+runtime (--exchange xla, gloo between CPU processes), and the 2014 exchange
+for N workers (--exchange p2p, host memory between CPU processes): real
+processes, real sockets, the shipped digits."""
 import json
 import os
 import shutil
@@ -36,7 +37,8 @@ def test_three_workers_equal_two_at_the_same_total_batch(tmp_path):
     """Worker k of 3 at batch 100 trains on rows 300t+100k..; two workers at
     150 on rows 300t+150k..: the same 300 rows a step, so the same weights,
     up to float reordering (JAX's CPU backend here, Numba's there)."""
-    three, out = run(tmp_path, "three", "cpu", "cpu", "cpu", "--epochs", 2, "--check")
+    three, out = run(tmp_path, "three", "cpu", "cpu", "cpu", "--exchange", "xla", "--epochs", 2,
+                     "--check")
     two, _ = run(tmp_path, "two", "cpu", "cpu", "--batch-size", 150, "--epochs", 2)
     assert three["workers"] == 3 and three["exchange"] == "xla" and two["exchange"] == "p2p"
     assert three["max_replica_diff"] == 0.0
@@ -46,6 +48,42 @@ def test_three_workers_equal_two_at_the_same_total_batch(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
     assert "weights through an XLA all-reduce" in out.stdout
     assert out.stdout.count("epoch 1/2:") == 1  # only global rank 0 prints
+
+
+def test_three_workers_peer_to_peer_hold_the_xla_average(tmp_path):
+    """The 2014 exchange for three: each worker publishes into its own mapped
+    buffer, fetches all three, and takes their mean in rank order, under each
+    --avg; the replicas stay identical, and the weights are --exchange xla's
+    up to float reordering (NumPy and Numba here, XLA there): within 1e-6
+    absolute (measured: 1.5e-7 after 20 steps)."""
+    xla, _ = run(tmp_path, "xla", "cpu", "cpu", "cpu", "--exchange", "xla", "--epochs", 2)
+    for avg in ("theano", "pycuda", "cpu"):  # p2p: the default for CPUs of one machine
+        p2p, out = run(tmp_path, "p2p", "cpu", "cpu", "cpu", "--avg", avg, "--epochs", 2,
+                       "--check")
+        assert p2p["exchange"] == "p2p" and p2p["workers"] == 3 and p2p["sync"] == "host"
+        assert p2p["max_replica_diff"] == 0.0
+        assert "weights through host memory, ordered by the host" in out.stdout
+        for a, b in zip(weights(tmp_path, "p2p"), weights(tmp_path, "xla")):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(p2p["validation_errors"], xla["validation_errors"],
+                                   atol=0.002)
+
+
+def test_several_steps_per_call_take_the_same_steps_as_one(tmp_path):
+    """10 steps an epoch in calls of 4, 4 and 2 against 10 calls of one: the
+    same minibatches in the same order, the same weights up to float
+    reordering inside XLA's loop (rtol 1e-5), and the step counter in the
+    compiled program counts every step once."""
+    xla = ("cpu", "cpu", "cpu", "--exchange", "xla", "--epochs", 2)
+    many, _ = run(tmp_path, "many", *xla, "--steps-per-call", 4, "--check")
+    one, _ = run(tmp_path, "one", *xla, "--steps-per-call", 1)
+    assert many["steps_per_call"] == 4 and one["steps_per_call"] == 1
+    for summary in (many, one):
+        assert summary["exchange_steps"] == summary["epochs_run"] * summary["steps_per_epoch"] == 20
+    assert many["max_replica_diff"] == 0.0
+    for a, b in zip(weights(tmp_path, "many"), weights(tmp_path, "one")):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(many["validation_errors"], one["validation_errors"], atol=0.002)
 
 
 def test_xla_with_two_workers_follows_the_p2p_exchange(tmp_path):
@@ -75,23 +113,29 @@ def test_two_launchers_as_two_nodes_train_identical_replicas(tmp_path):
     assert summary["validation_errors"][-1] < 0.35  # chance: 0.9
 
 
-def test_a_killed_worker_stops_all_three_within_10_s(no_leftovers):
-    proc = start_dual("cpu", "cpu", "cpu", "--epochs", 1000)
+@pytest.mark.parametrize("exchange", ["xla", "p2p"])
+def test_a_killed_worker_stops_all_three_within_10_s(no_leftovers, exchange):
+    proc = start_dual("cpu", "cpu", "cpu", "--exchange", exchange, "--epochs", 1000)
     wait_until_training(proc)
     took = kill_one_worker(proc, 2, "cpu")
-    print(f"launcher stopped {took:.2f} s after the worker was killed")
+    print(f"{exchange}: launcher stopped {took:.2f} s after the worker was killed")
 
 
-def test_a_stalled_worker_is_reported_within_the_timeout(no_leftovers):
+@pytest.mark.parametrize("exchange,words", [
+    ("xla", "no step finished within 3 s: another worker stalled"),
+    ("p2p", "worker 2 did not reach barrier")])
+def test_a_stalled_worker_is_reported_within_the_timeout(no_leftovers, exchange, words):
     """Inside a collective the host thread waits in XLA, where no check of
-    ours runs: the watchdog must see that no step finishes."""
-    proc = start_dual("cpu", "cpu", "cpu", "--epochs", 1000, "--timeout", 3)
+    ours runs: the watchdog must see that no step finishes.  Peer to peer,
+    the others wait for it at a barrier, and name it."""
+    proc = start_dual("cpu", "cpu", "cpu", "--exchange", exchange, "--epochs", 1000,
+                      "--timeout", 3)
     wait_until_training(proc)
     workers_of(proc)[2].send_signal(signal.SIGSTOP)
     code, took, err = finish(proc, timeout=20)
     assert code == 1
-    assert "no step finished within 3 s: another worker stalled" in err.splitlines()[-1]
-    print(f"a stalled worker reported {took:.2f} s after it stopped")
+    assert words in err.splitlines()[-1]
+    print(f"{exchange}: a stalled worker reported {took:.2f} s after it stopped")
 
 
 def test_a_dead_node_stops_the_other_node():
@@ -119,8 +163,9 @@ def test_a_node_alone_reports_the_missing_nodes_within_the_timeout(no_leftovers,
     assert "did not all meet at the coordinator" in last and "within 5 s" in last
 
 
-def test_resumed_three_worker_run_equals_an_uninterrupted_one(tmp_path):
-    common = ("cpu", "cpu", "cpu")
+@pytest.mark.parametrize("exchange", ["xla", "p2p"])
+def test_resumed_three_worker_run_equals_an_uninterrupted_one(tmp_path, exchange):
+    common = ("cpu", "cpu", "cpu", "--exchange", exchange)
     run(tmp_path, "full", *common, "--epochs", 3)
     run(tmp_path, "half", *common, "--epochs", 1)
     _, out = run(tmp_path, "resumed", *common, "--epochs", 3, "--resume", tmp_path / "half.npz")
@@ -135,7 +180,8 @@ def test_resumed_three_worker_run_equals_an_uninterrupted_one(tmp_path):
 def test_bad_requests_for_many_workers_get_one_line_exit_2(tmp_path, no_leftovers):
     cases = [
         (["cpu"], "give at least two devices"),
-        (["cpu", "cpu", "cpu", "--exchange", "p2p"], "--exchange p2p joins two workers"),
+        (["cpu", "cpu", "--exchange", "p2p", "--nodes", "2", "--coordinator", "h:1"],
+         "--exchange p2p joins the workers of one machine"),
         (["cpu", "cpu", "--nodes", "0"], "argument --nodes: must be a positive integer"),
         (["cpu", "cpu", "--nodes", "2", "--node-rank", "2", "--coordinator", "h:1"],
          "--node-rank 2 is out of range: 0..1"),
@@ -143,8 +189,13 @@ def test_bad_requests_for_many_workers_get_one_line_exit_2(tmp_path, no_leftover
         (["cpu", "cpu", "--nodes", "2", "--coordinator", "10.0.0.1"], "expected HOST:PORT"),
         (["cpu", "cpu", "--coordinator", "host:99999"], "expected HOST:PORT"),
         (["cpu", "cpu", "--sync", "gpu"], "--sync gpu orders the exchange on GPU streams"),
-        (["cpu", "cpu", "cpu", "--avg", "pycuda"], "--exchange xla averages inside"),
+        (["cpu", "cpu", "cpu", "--exchange", "xla", "--avg", "pycuda"],
+         "--exchange xla averages inside"),
         (["cpu", "cpu", "cpu", "cpu", "--batch-size", "1000"], "each of the 4 workers"),
+        (["cpu", "cpu", "--steps-per-call", "2"], "the host-ordered 2014 loop (--sync host) "
+                                                  "takes one step per call"),
+        (["cpu", "cpu", "cpu", "--steps-per-call", "0"], "must be a positive integer"),
+        (["cpu", "cpu", "cpu", "--steps-per-call", "4"], "the host-ordered 2014 loop"),
     ]
     for args, words in cases:
         out = dual(*args, timeout=60)

@@ -1,0 +1,190 @@
+"""What the GPU-ordered exchange costs a step, on one GPU: the plain step beside it, in loopback.
+
+    python bench/step_cost.py --dataset /usr/share/datasets/fashion-mnist    # GPU 0
+    python bench/step_cost.py --cpu                                          # CI's subset
+
+On one device, at batch 100, 500 and 5000 and at 1 and K steps per call:
+
+* ``plain step``: the tutorial's training step as the demo compiles it
+  (PyTensor's graph, jitted, the weights donated, the minibatch picked by a
+  counter on the device, the host running ahead), K steps a call: the best
+  one-GPU program of ``references.py pytensor``;
+* ``GPU-ordered step, loopback``: ``dual_mlp.GpuOrdered`` itself, its own
+  epoch loop, with the exchange of ``--sync gpu`` and the worker as its own
+  peer (``StreamExchange.loopback``): every kernel runs, every counter is
+  written and waited for, on one GPU.  With ``--cpu``, where there are no
+  kernels, the exchange is a host callback that echoes the weights, a
+  stand-in that runs the same trainer.
+
+Each is warmed up, then timed over at least ``--steps`` steps with one wait
+at the end; the host's time inside the calls says which of host and device
+sets the pace.  The exchange's own step counter must equal the steps run
+(it ran once a step).  Target: the GPU-ordered step within 1.15x of the plain
+step at every batch.  Writes ``step_cost.json`` (``step_cost_cpu.json``).
+"""
+import argparse
+import os
+import sys
+import time
+
+from common import RESULTS, ROOT, parse_args, record
+
+sys.path.insert(0, ROOT)
+
+TARGET = 1.15
+
+
+def plain_step(dataset, batch, steps_per_call):
+    """``(run(calls), wait, host seconds so far)`` of the plain step: the best
+    one-GPU program of ``references.py pytensor``, K steps a call."""
+    import references
+    trainer = references.pytensor_trainer(dataset, batch, references.DEFAULTS, steps_per_call)
+    host = 0.0
+
+    def run(calls):  # queueing only: the host never waits here
+        nonlocal host
+        called = time.perf_counter()
+        trainer.run_steps(calls * steps_per_call)
+        host += time.perf_counter() - called
+    return run, trainer.synchronize, lambda: host
+
+
+class HostEcho:
+    """``--cpu``'s stand-in for ``StreamExchange``: a callback on the host that
+    hands back the weights it is given, as a peer with the same weights would."""
+
+    def __init__(self, rank, n_workers, layout):
+        self.count = self.callbacks = 0
+
+    def __call__(self, new):
+        import jax
+        from jax.experimental.buffer_callback import buffer_callback
+        (out,) = buffer_callback(self._echo, [jax.ShapeDtypeStruct(new.shape, new.dtype)],
+                                 has_side_effect=False, input_output_aliases={0: 0})(new)
+        return out
+
+    def _echo(self, ctx, out, new):  # out[0] is new: the weights stay as they are
+        self.count += 1
+        self.callbacks += 1
+
+    def loopback(self):
+        pass
+
+    def steps_done(self):
+        return self.count
+
+    def close(self):
+        pass
+
+
+def gpu_ordered_step(model, device, steps_per_call, cpu):
+    """``(run(calls), wait, host seconds so far, trainer)`` of dual_mlp's
+    GPU-ordered trainer in loopback."""
+    import dual_mlp
+    import stream_exchange
+    if cpu:
+        stream_exchange.StreamExchange = HostEcho
+    trainer = dual_mlp.GpuOrdered(0, 1, model, device, None, check=False, timeout=600,
+                                  steps_per_call=steps_per_call)
+    trainer.exchange.loopback()
+
+    def run(calls):
+        trainer.epoch(calls * steps_per_call)  # one wait at the end, as for the plain step
+    return run, lambda: None, lambda: trainer.host_time, trainer
+
+
+def measure(run, wait, host, steps_per_call, min_steps):
+    """(us per step, us of host time per step inside the calls): two calls to
+    warm up (the first compiles or captures), then timed."""
+    run(2)
+    wait()
+    calls = max(2, -(-min_steps // steps_per_call))
+    host_before, start = host(), time.perf_counter()
+    run(calls)
+    wait()
+    steps = calls * steps_per_call
+    return 1e6 * (time.perf_counter() - start) / steps, 1e6 * (host() - host_before) / steps
+
+
+def main():
+    import datasets
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", default=datasets.SHIPPED,
+                        help="training data (default: the shipped digits)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[100, 500, 5000])
+    parser.add_argument("--steps-per-call", type=int, nargs="+", default=None,
+                        help="K values, each at most an epoch (default: 1 and the demo's "
+                             "default)")
+    parser.add_argument("--steps", type=int, default=2000, help="timed steps, at least")
+    parser.add_argument("--cpu", action="store_true", help="on the CPU, a small subset (CI)")
+    parser.add_argument("--out", default=RESULTS, help="folder for step_cost.json")
+    args = parse_args(parser, table)
+    if args.cpu:
+        args.batches, args.steps = [100], min(args.steps, 40)
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    else:
+        os.environ.update(CUDA_VISIBLE_DEVICES="0", JAX_PLATFORMS="cuda")
+    import theano_flags  # noqa: F401  (float32, as the scripts run)
+    import dual_mlp
+    import mlp
+    from devices import CudaDevice, JaxDevice
+    from logistic_sgd import load_data
+    device = JaxDevice() if args.cpu else CudaDevice(0)
+    data = load_data(args.dataset, put=device.put)
+    ks = args.steps_per_call or [1, dual_mlp.STEPS_PER_CALL]
+    figures = []
+    for batch in args.batches:
+        model = mlp.Model(data, batch, mode="JAX")
+        model.warm_up(put=device.put)
+        for k in sorted({min(k, model.n_train_batches) for k in ks}):
+            run, wait, host = plain_step(args.dataset, batch, k)
+            plain_us, plain_host_us = measure(run, wait, host, k, args.steps)
+            plain = dict(system="plain step", batch=batch, steps_per_call=k, step_us=plain_us,
+                         host_us_per_step=plain_host_us)
+            run, wait, host, trainer = gpu_ordered_step(model, device, k, args.cpu)
+            ordered_us, ordered_host_us = measure(run, wait, host, k, args.steps)
+            ordered = dict(system="GPU-ordered step, loopback", batch=batch, steps_per_call=k,
+                           step_us=ordered_us, host_us_per_step=ordered_host_us,
+                           over_plain=ordered_us / plain_us,
+                           exchange_steps=trainer.exchange.steps_done(),
+                           steps_run=trainer.steps,
+                           exchange_callbacks=trainer.exchange.callbacks)
+            trainer.exchange.close()
+            if ordered["exchange_steps"] != ordered["steps_run"]:
+                sys.exit(f"step_cost.py: error: the exchange counted {ordered['exchange_steps']} "
+                         f"steps of {ordered['steps_run']} at batch {batch}, K={k}")
+            figures += [plain, ordered]
+            for f in (plain, ordered):
+                print(f"B={batch:5d} K={k:3d} {f['system']:28s} {f['step_us']:8.1f} us/step, "
+                      f"host {f['host_us_per_step']:7.1f} us/step"
+                      + (f"  {f['over_plain']:.3f}x plain" if "over_plain" in f else ""),
+                      flush=True)
+    device.close()
+    path = record("step_cost_cpu" if args.cpu else "step_cost", args.out,
+                  device=device.description, dataset=args.dataset, target=TARGET,
+                  within_target=all(f["over_plain"] <= TARGET for f in figures
+                                    if "over_plain" in f), figures=figures)
+    print(table(dict(command=" ".join(sys.argv), device=device.description, figures=figures,
+                     date=time.strftime("%Y-%m-%d"))))
+    return path
+
+
+def table(document):
+    """The Markdown table of a step_cost.json: us per step, host us per step."""
+    figures = document["figures"]
+    rows = sorted({(f["batch"], f["steps_per_call"]) for f in figures})
+    by = {(f["system"], f["batch"], f["steps_per_call"]): f for f in figures}
+    lines = [f"Measured by `{document['command']}` on {document['date'][:10]} "
+             f"({document['device']}): us per step (of it, us of host time).", "",
+             "| batch | steps per call | plain step | GPU-ordered, loopback | ratio |",
+             "| --- | --- | --- | --- | --- |"]
+    for batch, k in rows:
+        p, o = by["plain step", batch, k], by["GPU-ordered step, loopback", batch, k]
+        lines.append(f"| {batch} | {k} | {p['step_us']:.1f} ({p['host_us_per_step']:.1f}) | "
+                     f"{o['step_us']:.1f} ({o['host_us_per_step']:.1f}) | "
+                     f"{o['over_plain']:.3f}x |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
