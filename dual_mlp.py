@@ -406,29 +406,26 @@ class GpuOrdered(DeviceOrdered):
 
     def __init__(self, rank, world, model, device, peer, check, timeout, steps_per_call):
         import jax
-        import jax.numpy as jnp
         from stream_exchange import StreamExchange
 
         super().__init__(rank, model, peer, check, timeout, steps_per_call)
         model.warm_up(put=device.put)
         train, self.data = devices.jax_train_step(model)
-        layout = Layout.of(model.params)
-        self.exchange = StreamExchange(rank, world, layout)
+        self.exchange = StreamExchange(rank, world, Layout.of(model.params))
         n_steps = model.n_train_batches // world
 
-        def flat(params):  # the weights travel as one buffer: one kernel for all
-            return jnp.concatenate([p.ravel() for p in params])
-
-        def step(data, counter, params):
+        def step(data, counter, *params):
             index = world * (counter % n_steps) + rank           # this worker's minibatch
-            _, new = train(index, data, layout.views(params))    # 1. train
-            return counter + 1, self.exchange(flat(new))         # 2.-6. publish ... average
+            _, new = train(index, data, list(params))            # 1. train
+            return counter + 1, *self.exchange(new)              # 2.-6. publish ... average
 
         self.one_step = step
-        self.state = (device.put(np.int32(0)), jax.jit(flat)([storage(p) for p in model.params]))
+        # copies: the model's own weights stay for validation
+        self.state = (device.put(np.int32(0)), *[jax.numpy.array(storage(p))
+                                                  for p in model.params])
         self.compile(n_steps)
-        # the replica's weights, for validation and --check
-        self._weights = jax.jit(lambda counter, params: layout.views(params))
+        # the replica's weights (fresh buffers: the state's are given to the next call)
+        self._weights = jax.jit(lambda counter, *params: list(params))
         self._weights(*self.state)  # compiled now, not in the first epoch
 
     def program(self, steps):
@@ -442,7 +439,8 @@ class GpuOrdered(DeviceOrdered):
         learns which steps are done from the exchange's counter in host
         memory."""
         import jax
-        program = jax.jit(repeat(self.one_step, steps), donate_argnums=(1, 2))
+        program = jax.jit(repeat(self.one_step, steps),
+                          donate_argnums=tuple(range(1, 1 + len(self.state))))
         program.lower(self.data, *self.state).compile()
         return program
 

@@ -21,29 +21,32 @@ The kernel, ``exchange``, is the one-shot all-reduce of vLLM's
 ``custom_all_reduce.cuh`` with the 2014 demo's steps inside.  Every GPU runs
 it with the same grid, and block b of every GPU handles the same elements,
 so block b waits only for the blocks b of the others (per-block flags, no
-barrier across a GPU's own blocks).  For step t, block b::
+barrier across a GPU's own blocks).  Thread w of a block speaks for worker
+w: it writes this block's flag into worker w's memory and waits on worker
+w's flag in ours, all N at once.  For step t, block b::
 
     begin    t = ++step[b]; wait until every worker's block b has reduced t-2
              (it read send[t % 2] then; we are about to overwrite it)
     publish  my new weights -> my send[t % 2]                    (local)
-    signal   fence; published[b][rank] = t in every worker's flags;
+    signal   published[b][rank] = t in every worker's flags (a release store);
              wait until every worker's published[b][w] = t here
     reduce   weights = (send_0[t % 2] + ... + send_N-1[t % 2]) / N, summed in
              rank order on every GPU, so the replicas stay bit-identical
              (N - 1 of the N reads over NVLink)
-    copied   fence; reduced[b][rank] = t in every worker's flags; the last
-             block to finish writes t into ``done``, in host memory
+    copied   reduced[b][rank] = t in every worker's flags (a release store);
+             the last block to finish writes t into ``done``, in host memory
 
 Why nothing can deadlock or be overwritten while read: a worker one step
 ahead (t+1) publishes into the other slot, send[(t+1) % 2], which nobody
 reads at step t; to publish t+2 into send[t % 2] again it waits for every
 block b to have reduced step t.  A worker two steps ahead is impossible: at
-t+2 it waits in ``begin`` for the slow one's ``reduced`` of t.  The fences:
-``publish``'s stores are made visible to every GPU (``__threadfence_system``
-after the block's barrier) before the flag that says they are there; the
-waiting side reads the flag with acquire semantics before the data; and the
-reads of ``reduce`` are complete (their values used) before ``copied``'s
-flag releases the buffer.
+t+2 it waits in ``begin`` for the slow one's ``reduced`` of t.  The memory
+order, as in vLLM's kernels: the block's ``__syncthreads()``, then a store
+with release semantics at system scope, make ``publish``'s stores visible to
+every GPU before the flag that says they are there; the waiting side reads
+the flag with acquire semantics, then ``__syncthreads()``, before it reads
+the data; and ``reduce``'s reads are complete (their values written) before
+``copied``'s release store gives the buffer back.
 
 The kernel's arguments never change (the step number lives in GPU memory),
 so XLA captures its launch into a CUDA graph once and replays it
@@ -73,11 +76,28 @@ import ctypes
 
 import numpy as np
 
-MAX_WORKERS = 8
+MAX_WORKERS, MAX_SEGMENTS = 8, 8
 GRID, BLOCK = 128, 512  # the same on every GPU: block b handles the same elements everywhere
+
+
+class Segments(ctypes.Structure):
+    """``struct Segments`` of ``KERNELS``: the weights' buffers and where each ends."""
+    _fields_ = [("data", ctypes.c_void_p * MAX_SEGMENTS),
+                ("end", ctypes.c_longlong * MAX_SEGMENTS), ("count", ctypes.c_int)]
+
+    @classmethod
+    def of(cls, buffers):
+        """From [(device address, number of floats)] in the layout's order."""
+        segments = cls(count=len(buffers))
+        end = 0
+        for i, (address, n) in enumerate(buffers):
+            end += n
+            segments.data[i], segments.end[i] = address, end
+        return segments
 
 KERNELS = r"""
 #define MAX_WORKERS %(max_workers)d
+#define MAX_SEGMENTS %(max_segments)d
 #define GRID %(grid)d
 
 extern "C" {
@@ -97,6 +117,15 @@ struct Peers {
     Flags *flags[MAX_WORKERS];
 };
 
+// The weights the step trains, as XLA holds them: one buffer per parameter,
+// in the layout's order, so that the flat index i (as in the send buffers)
+// lives in the first segment whose end is past it.  Passed by value.
+struct Segments {
+    float *data[MAX_SEGMENTS];
+    long long end[MAX_SEGMENTS];
+    int count;
+};
+
 __device__ Flags flags_size;  // never used: its size, read at load, sizes the allocation
 __device__ Peers peers_size;  // likewise
 
@@ -106,54 +135,60 @@ __device__ int load_acquire(const int *p) {
     return v;
 }
 
+// A release store at system scope: what this block wrote before the
+// __syncthreads() that precedes it is visible to any GPU that sees the value.
 __device__ void store_release(int *p, int v) {
     asm volatile("st.release.sys.global.b32 [%%0], %%1;" :: "l"(p), "r"(v) : "memory");
 }
 
-// Thread 0 waits until counter[w * stride] >= t for every worker w: a spin on
-// this GPU's own memory (~1 us once the last write has crossed NVLink).
-__device__ void wait_all(const int *counter, int stride, int n_workers, int t) {
-    for (int w = 0; w < n_workers; ++w)
-        while (load_acquire(counter + w * stride) < t) __nanosleep(32);
+// Thread w < N waits until worker w's counter here reaches t: a spin on this
+// GPU's own memory, ~1 us once the other's store has crossed NVLink.
+__device__ void wait_for(const int *counter, int t) {
+    while (load_acquire(counter) < t) __nanosleep(32);
+}
+
+// Element i of the flat weights: a thread's i only grows, so its segment only moves on.
+__device__ float *element(const Segments &w, int &s, long long i) {
+    while (i >= w.end[s]) ++s;
+    return w.data[s] + (i - (s ? w.end[s - 1] : 0));
 }
 
 __global__ void __launch_bounds__(%(block)d)
-exchange(const Peers *peers, int rank, int n_workers, float *weights, long long n,
-         unsigned *done) {
-    const int b = blockIdx.x;
+exchange(const Peers *peers, int rank, int n_workers, const Segments weights, unsigned *done) {
+    const int b = blockIdx.x, me = threadIdx.x;  // threads me < N: one each for worker me
     Flags *mine = peers->flags[rank];
     __shared__ int t;
-    if (threadIdx.x == 0) {                                       // begin
+    __shared__ const float *send[MAX_WORKERS];
+    if (me == 0) {                                                // begin
         t = mine->step[b] + 1;
         mine->step[b] = t;
-        wait_all(&mine->reduced[b][0], 1, n_workers, t - 2);
+    }
+    if (me < n_workers) send[me] = peers->send[me];
+    __syncthreads();
+    if (me < n_workers) wait_for(&mine->reduced[b][me], t - 2);   // send[t %% 2] is free
+    __syncthreads();
+    const long long n = weights.end[weights.count - 1], slot = (t & 1) * n,
+                    first = b * (long long)blockDim.x + me, stride = (long long)gridDim.x * blockDim.x;
+    float *published = peers->send[rank] + slot;
+    int s = 0;
+    for (long long i = first; i < n; i += stride) published[i] = *element(weights, s, i);  // publish
+    __syncthreads();
+    if (me < n_workers) {                                         // signal: "published t",
+        store_release(&peers->flags[me]->published[b][rank], t);  // a 4-byte NVLink store
+        wait_for(&mine->published[b][me], t);                     // and worker me's to us
     }
     __syncthreads();
-    const long long slot = (t & 1) * n, first = b * (long long)blockDim.x + threadIdx.x,
-                    stride = (long long)gridDim.x * blockDim.x;
-    float *send = peers->send[rank] + slot;
-    for (long long i = first; i < n; i += stride) send[i] = weights[i];   // publish
-    __syncthreads();
-    if (threadIdx.x == 0) {                                       // signal: "published t"
-        __threadfence_system();
-        for (int w = 0; w < n_workers; ++w)                       // a 4-byte store over NVLink each
-            store_release(&peers->flags[w]->published[b][rank], t);
-        wait_all(&mine->published[b][0], 1, n_workers, t);
-    }
-    __syncthreads();
+    s = 0;
     for (long long i = first; i < n; i += stride) {               // reduce, in rank order
-        float sum = peers->send[0][slot + i];
-        for (int w = 1; w < n_workers; ++w) sum += peers->send[w][slot + i];
-        weights[i] = sum / n_workers;
+        float sum = send[0][slot + i];
+        for (int w = 1; w < n_workers; ++w) sum += send[w][slot + i];
+        *element(weights, s, i) = sum / n_workers;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {                                       // copied: "reduced t"
-        __threadfence_system();
-        for (int w = 0; w < n_workers; ++w)
-            store_release(&peers->flags[w]->reduced[b][rank], t);
-        if (atomicAdd(&mine->finished, 1u) == (unsigned)t * gridDim.x - 1)
-            *(volatile unsigned *)done = t;                       // the last block: host memory
-    }
+    if (me < n_workers)                                           // copied: "reduced t"
+        store_release(&peers->flags[me]->reduced[b][rank], t);
+    if (me == 0 && atomicAdd(&mine->finished, 1u) == (unsigned)t * gridDim.x - 1)
+        *(volatile unsigned *)done = t;                           // the last block: host memory
 }
 }
 """
@@ -164,8 +199,8 @@ class StreamExchange:
 
     ``handle()`` / ``connect(handles)`` swap the IPC handles once, over the
     zmq link; ``__call__(new)``, inside a jitted function, takes this step's
-    new weights (flat) and returns the average of every worker's, written
-    over them, so that with the step's inputs donated its buffers, and the
+    new parameters and returns the average of every worker's, written over
+    them, so that with the step's inputs donated their buffers, and the
     captured launch, stay the same."""
 
     def __init__(self, rank, n_workers, layout):
@@ -180,7 +215,8 @@ class StreamExchange:
         self.cu, self.drv, self.layout = cu, drv, layout
         self.rank, self.n_workers = rank, n_workers
         major, minor = drv.Device(0).compute_capability()
-        source = KERNELS % dict(max_workers=MAX_WORKERS, grid=GRID, block=BLOCK)
+        source = KERNELS % dict(max_workers=MAX_WORKERS, max_segments=MAX_SEGMENTS, grid=GRID,
+                                block=BLOCK)
         cubin = compile_cuda(source, nvcc=nvcc(), arch=f"sm_{major}{minor}")
         self._image = np.frombuffer(cubin, np.uint8)  # must outlive the module
         self._module = self._check(cu.cuModuleLoadData(self._image.ctypes.data))
@@ -231,26 +267,28 @@ class StreamExchange:
     def __call__(self, new):
         import jax
         from jax.experimental.buffer_callback import buffer_callback
-        (mean,) = buffer_callback(self._enqueue, [jax.ShapeDtypeStruct(new.shape, new.dtype)],
-                                  has_side_effect=False, input_output_aliases={0: 0},
-                                  command_buffer_compatible=True)(new)
-        return mean
+        return buffer_callback(self._enqueue, [jax.ShapeDtypeStruct(p.shape, p.dtype)
+                                               for p in new],
+                               has_side_effect=False,
+                               input_output_aliases={i: i for i in range(len(new))},
+                               command_buffer_compatible=True)(*new)
 
-    def _enqueue(self, ctx, out, _new):  # _new: the same buffer as out[0]
+    def _enqueue(self, ctx, out, *_new):  # _new: the same buffers as out
         """XLA's callback: enqueue one step's exchange on ``ctx.stream``.
         Runs only when XLA captures the launch (once per program)."""
         self.callbacks += 1
-        self.launch(ctx.stream, address(out[0]))
+        self.launch(ctx.stream, [(address(p), n) for p, n in zip(out, self.layout.sizes)])
 
-    def launch(self, stream, weights, n=None):
-        """Enqueue the kernel on ``stream`` (a raw handle) for the ``n``
-        floats at ``weights`` (default: the layout's; at most that)."""
-        c = ctypes
-        args = (int(self.peers), self.rank, self.n_workers, weights,
-                self.layout.size if n is None else n, int(self.done.base.get_device_pointer()))
-        types = (c.c_void_p, c.c_int, c.c_int, c.c_void_p, c.c_longlong, c.c_void_p)
+    def launch(self, stream, buffers):
+        """Enqueue the kernel on ``stream`` (a raw handle) for the weights in
+        ``buffers``, [(device address, number of floats)], at most the layout's."""
+        args = [ctypes.c_void_p(int(self.peers)), ctypes.c_int(self.rank),
+                ctypes.c_int(self.n_workers), Segments.of(buffers),
+                ctypes.c_void_p(int(self.done.base.get_device_pointer()))]
+        pointers = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         self._check(self.cu.cuLaunchKernel(self._kernel, GRID, 1, 1, BLOCK, 1, 1, 0,
-                                           self.cu.CUstream(stream), (args, types), 0))
+                                           self.cu.CUstream(stream), ctypes.addressof(pointers),
+                                           0))
 
     def close(self):
         for handles in self._opened:

@@ -254,7 +254,7 @@ def exchange_worker(args):
             n = size // 4
             drv.memcpy_htod(buf, allreduce_pattern(args.rank, n))
             peer.barrier()
-            ex.launch(stream.handle, int(buf), n)  # one exchange: its result is checked
+            ex.launch(stream.handle, [(int(buf), n)])  # one exchange: its result is checked
             stream.synchronize()
             got = np.empty(n, np.float32)
             drv.memcpy_dtoh(got, buf)
@@ -263,7 +263,7 @@ def exchange_worker(args):
             peer.barrier()
             begin.record(stream)
             for _ in range(r):
-                ex.launch(stream.handle, int(buf), n)
+                ex.launch(stream.handle, [(int(buf), n)])
             end.record(stream)
             end.synchronize()
             rows.append(dict(bytes=size, repeats=r, us=end.time_since(begin) * 1e3 / r,

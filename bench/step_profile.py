@@ -5,8 +5,10 @@
 
 On one device, the same model and batch (default 20000): the training step
 that PyTensor's JAX backend builds from the tutorial's graph (as the demo
-runs it: jitted, weights donated, the minibatch index kept on the device) and
-the hand-written JAX step of ``bench/references.py``.  Each is timed as
+runs it: jitted, weights donated, the minibatch index kept on the device),
+the hand-written JAX step of ``bench/references.py``, and on a GPU the
+demo's GPU-ordered step with its exchange in loopback (``bench/step_cost.py``):
+where the exchange's time goes, kernel by kernel.  Each is timed as
 ``references.py`` times its systems (``references.step_us``), then 50
 steps of each are profiled (``jax.profiler``) and the device's time per
 step summed by kernel.  Writes ``step_profile.json`` (command, date,
@@ -88,9 +90,12 @@ def main():
         os.environ.update(CUDA_VISIBLE_DEVICES="0", JAX_PLATFORMS="cuda")
     import theano_flags  # noqa: F401  (float32, as the scripts run)
     import jax
+    import mlp
     import references
-    from devices import JaxDevice
-    device = JaxDevice()
+    import step_cost
+    from devices import CudaDevice, JaxDevice
+    from logistic_sgd import load_data
+    device = JaxDevice() if args.cpu else CudaDevice(0)
 
     step, state = pytensor_step(args.dataset, args.batch, device)
 
@@ -106,6 +111,10 @@ def main():
     reference = references.jax_trainer(x, y, args.batch, references.DEFAULTS)  # on this device
     systems = {"PyTensor's step (the demo's)": (run_pytensor, sync_pytensor),
                "hand-written JAX step": (reference.run_steps, reference.synchronize)}
+    if not args.cpu:
+        model = mlp.Model(load_data(args.dataset, put=device.put), args.batch, mode="JAX")
+        run, _, _, trainer = step_cost.gpu_ordered_step(model, device, 1, cpu=False)
+        systems["GPU-ordered step, loopback (the demo's)"] = (run, lambda: None)
     results = {}
     for name, (run, synchronize) in systems.items():
         us = references.step_us(run, synchronize, args.steps)
@@ -113,6 +122,9 @@ def main():
         print(f"{name:30s} {us:8.1f} us/step; device time by kernel:")
         for k in results[name]["kernels"][:8]:
             print(f"    {k['us_per_step']:8.1f} us  {k['kernel'][:90]}")
+    if not args.cpu:
+        trainer.exchange.close()
+    device.close()
     record("step_profile_cpu" if args.cpu else "step_profile", args.out, batch=args.batch,
            steps=args.steps, device=device.description, systems=results)
 

@@ -201,10 +201,11 @@ def test_gpu_ordered_programs_are_compiled_before_the_first_epoch(monkeypatch):
             self.steps = 0
 
         def __call__(self, new):
-            return buffer_callback(self.count, [jax.ShapeDtypeStruct(new.shape, new.dtype)],
-                                   has_side_effect=False, input_output_aliases={0: 0})(new)[0]
+            return buffer_callback(self.count, [jax.ShapeDtypeStruct(p.shape, p.dtype)
+                                                for p in new], has_side_effect=False,
+                                   input_output_aliases={i: i for i in range(len(new))})(*new)
 
-        def count(self, ctx, out, new):
+        def count(self, ctx, out, *new):
             self.steps += 1
 
         def steps_done(self):
