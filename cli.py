@@ -74,8 +74,7 @@ def tutorial_parser(description, epochs, batch_size, learning_rate):
 def writable(path):
     """Check, before any work, that ``path`` can be written as a file:
     not a folder, and its folder exists and takes a new file (tried for
-    real: permission bits say nothing to root on a read-only mount).
-    Removes temporary files that an interrupted atomic write of ``path`` left."""
+    real: permission bits say nothing to root on a read-only mount)."""
     path = os.path.abspath(path)
     folder = os.path.dirname(path)
     if os.path.isdir(path):
@@ -88,10 +87,32 @@ def writable(path):
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot write into {folder}: "
                                          f"{e.strerror.lower()}") from None
-    for name in os.listdir(folder):
-        if name.startswith(f".{os.path.basename(path)}.") and name.endswith(".tmp"):
-            os.unlink(os.path.join(folder, name))
     return path
+
+
+def same_file(a, b):
+    """Are ``a`` and ``b`` one file, through any path or link (or both to be made)?"""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def clash(inputs, outputs, allowed=()):
+    """The first output that would overwrite an input, or another output of
+    the same run, as a one-line message, or None.  ``inputs`` and
+    ``outputs`` map an option to the files it names; ``allowed`` holds the
+    (output, input) pairs that may be one file (continuing a checkpoint in
+    place: --save beside --resume)."""
+    outs = [(option, path) for option, paths in outputs.items() for path in paths if path]
+    for i, (option, path) in enumerate(outs):
+        for other, paths in inputs.items():
+            if (option, other) not in allowed and any(p and same_file(path, p) for p in paths):
+                return f"{option} {path} is {other}'s file: an output never overwrites an input"
+        for other, other_path in outs[i + 1:]:
+            if same_file(path, other_path):
+                return f"{option} and {other} name one file ({path}): give each its own"
+    return None
 
 
 def install_stop_handler(handler):

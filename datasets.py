@@ -18,6 +18,9 @@ Sources:
   (3,000 / 1,000 / 1,000), made by ``python datasets.py make-shipped``.
 
 Anything wrong with a file raises ``DatasetError`` with a one-line message.
+A data file is data: the pickle reader builds NumPy arrays and tuples and
+nothing else (any other object a file asks for is refused, so a crafted
+file runs no code), and only regular files are opened (a FIFO would block).
 
 Run ``python datasets.py download`` to fetch the full MNIST (checksums
 verified) into ``./mnist.pkl.gz``, which the demo then uses by default.
@@ -26,8 +29,10 @@ import argparse
 import contextlib
 import gzip
 import hashlib
+import io
 import os
 import pickle
+import stat
 import struct
 import sys
 import tempfile
@@ -63,6 +68,8 @@ def resolve(path=None):
     if path:
         if not os.path.exists(path):
             raise DatasetError(f"dataset not found: {path}")
+        if not os.path.isdir(path):
+            regular_file(path)
         return path, None
     if os.path.exists(CLASSIC):
         return CLASSIC, None
@@ -85,6 +92,18 @@ def read_checked(path):
     return splits
 
 
+def fingerprint(splits):
+    """A short digest of a data set's content, to tell one from another (a
+    checkpoint's, another node's): every array's shape and type, and 256 of
+    its rows spread over it, as stored."""
+    digest = hashlib.sha256()
+    for split in splits:
+        for a in map(np.asarray, split):
+            digest.update(f"{a.shape} {a.dtype}".encode())
+            digest.update(np.ascontiguousarray(a[::max(1, len(a) // 256)]).tobytes())
+    return digest.hexdigest()[:16]
+
+
 def as_floats(x):
     """Images as float32 rows; unsigned bytes scaled into [0, 1] in one pass
     (a cast, then a division, would write the float copy twice)."""
@@ -95,10 +114,15 @@ def as_floats(x):
 
 
 def check_split(path, name, x, y):
-    x, y = np.asarray(x), np.asarray(y)
+    if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray)):
+        raise DatasetError(f"{path}: {name} set is not two arrays (images, labels)")
     if x.ndim != 2 or x.shape[1] != N_PIXELS or y.ndim != 1:
         raise DatasetError(f"{path}: {name} set has images of shape {x.shape} and labels of "
                            f"shape {y.shape}; expected (n, {N_PIXELS}) and (n,)")
+    if x.dtype.kind not in "fiu":
+        raise DatasetError(f"{path}: {name} images are {x.dtype}, not numbers")
+    if x.dtype.kind == "f" and not np.isfinite(x).all():
+        raise DatasetError(f"{path}: {name} images hold NaN or infinite values")
     if len(x) != len(y):
         raise DatasetError(f"{path}: {name} set has {len(x)} images but {len(y)} labels")
     if len(y) == 0:
@@ -108,8 +132,19 @@ def check_split(path, name, x, y):
                            f"found {y.min()}..{y.max()}")
 
 
+def regular_file(path):
+    """Refuse what is not a regular file (a FIFO would block the open for ever)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot read: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise DatasetError(f"{path}: not a regular file")
+
+
 def _gunzip(path):
     """The whole decompressed content of a gzip file, or a DatasetError."""
+    regular_file(path)
     try:
         with gzip.open(path, "rb") as f:
             return f.read()
@@ -121,12 +156,33 @@ def _gunzip(path):
         raise DatasetError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
+class ArraysOnly(pickle.Unpickler):
+    """Unpickles what the tutorial's file holds, NumPy arrays in tuples, and
+    refuses any other object a file asks for: a pickle can name any function
+    to call, and a crafted data file would run it."""
+
+    ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"),
+               ("numpy.core.multiarray", "_reconstruct"),    # NumPy 1 wrote these
+               ("numpy._core.multiarray", "_reconstruct"),   # NumPy 2
+               ("_codecs", "encode")}                        # protocol 2's bytes
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"it asks for {module}.{name}, which a data set "
+                                         "never needs")
+        if module.startswith("numpy") and name == "_reconstruct":
+            return np.ndarray.__reduce__(np.zeros(0))[0]  # NumPy's own, whichever version
+        return super().find_class(module, name)
+
+
 def read_pickle(path):
     """The tutorial's format; its Python 2 pickles need latin1 for numpy."""
     try:
-        splits = pickle.loads(_gunzip(path), encoding="latin1")
+        splits = ArraysOnly(io.BytesIO(_gunzip(path)), encoding="latin1").load()
     except DatasetError:
         raise
+    except pickle.UnpicklingError as e:
+        raise DatasetError(f"{path}: refused: {e}") from None
     except Exception as e:  # a damaged pickle can raise almost anything
         raise DatasetError(f"{path}: not a readable pickle ({type(e).__name__})") from None
     if not (isinstance(splits, (tuple, list)) and len(splits) == 3
@@ -143,6 +199,7 @@ def read_idx(path):
     if path.endswith(".gz"):
         raw = _gunzip(path)
     else:
+        regular_file(path)
         with open(path, "rb") as f:
             raw = f.read()
     if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] != 0x08:
@@ -167,10 +224,22 @@ def write_idx(path, array):
         f.write(gzip.compress(data, compresslevel=1) if str(path).endswith(".gz") else data)
 
 
+def files_of(path):
+    """The files a data set is read from: the file itself, or a folder's IDX files."""
+    if not os.path.isdir(path):
+        return [path]
+    return [p for p in idx_paths(path) if p]
+
+
+def idx_paths(folder):
+    """The four IDX files of a folder, each gzipped or unpacked, None where missing."""
+    return [next((p for p in (os.path.join(folder, f), os.path.join(folder, f[:-3]))
+                  if os.path.exists(p)), None) for f in IDX_FILES]
+
+
 def read_idx_folder(folder):
     """The four IDX files of a folder, each gzipped (``*.gz``) or unpacked."""
-    paths = [next((p for p in (os.path.join(folder, f), os.path.join(folder, f[:-3]))
-                   if os.path.exists(p)), None) for f in IDX_FILES]
+    paths = idx_paths(folder)
     missing = [f for f, p in zip(IDX_FILES, paths) if p is None]
     if missing:
         raise DatasetError(f"{folder}: not a data set folder, missing {', '.join(missing)}")
@@ -181,7 +250,7 @@ def read_idx_folder(folder):
     if len(train_x) <= N_VALID:
         raise DatasetError(f"{folder}: {len(train_x)} training images leave none beside "
                            f"the {N_VALID} for validation")
-    as_rows = lambda x: x.reshape(len(x), -1)  # noqa: E731
+    as_rows = lambda x: x.reshape(len(x), int(np.prod(x.shape[1:])))  # noqa: E731
     cut = len(train_x) - N_VALID
     return ((as_rows(train_x[:cut]), train_y[:cut]), (as_rows(train_x[cut:]), train_y[cut:]),
             (as_rows(test_x), test_y))

@@ -48,6 +48,7 @@ import operator
 import os
 import platform
 import shlex
+import shutil
 import sys
 import time
 from contextlib import ExitStack
@@ -64,7 +65,7 @@ import mlp
 import records
 from devices import place, storage
 from exchange import Layout, Peer, PeerError, XlaExchange
-from launcher import Interrupted, Watchdog, fault_point, stop_point, stopping
+from launcher import Interrupted, Unwatched, fault_point, stop_point, stopping
 from logistic_sgd import load_data
 
 # -----------------------------------------------------------------------------
@@ -320,9 +321,9 @@ class DeviceOrdered(Trainer):
     marker), whether the device is ``done`` with the call of a marker, and
     where the replica's ``device_weights`` are."""
 
-    def __init__(self, rank, model, link, check, timeout, steps_per_call):
+    def __init__(self, rank, model, link, check, watchdog, steps_per_call):
         super().__init__(rank, model, link, check)
-        self.queued, self.watchdog = collections.deque(), Watchdog(rank, timeout)
+        self.queued, self.watchdog = collections.deque(), watchdog or Unwatched()
         self.steps_per_call, self.programs, self.exchange_steps = steps_per_call, {}, None
         self.host_time, self.calls, self.steps = 0.0, 0, 0  # the host's share: inside the calls
 
@@ -404,11 +405,11 @@ class GpuOrdered(DeviceOrdered):
 
     route = "CUDA IPC, peer to peer, ordered by the GPUs"
 
-    def __init__(self, rank, world, model, device, peer, check, timeout, steps_per_call):
+    def __init__(self, rank, world, model, device, peer, check, watchdog, steps_per_call):
         import jax
         from stream_exchange import StreamExchange
 
-        super().__init__(rank, model, peer, check, timeout, steps_per_call)
+        super().__init__(rank, model, peer, check, watchdog, steps_per_call)
         model.warm_up(put=device.put)
         train, self.data = devices.jax_train_step(model)
         self.exchange = StreamExchange(rank, world, Layout.of(model.params))
@@ -471,8 +472,8 @@ class XlaOrdered(DeviceOrdered):
 
     route = "an XLA all-reduce (JAX's distributed runtime)"
 
-    def __init__(self, rank, world, model, device, xla, check, timeout, steps_per_call):
-        super().__init__(rank, model, xla, check, timeout, steps_per_call)
+    def __init__(self, rank, world, model, device, xla, check, watchdog, steps_per_call):
+        super().__init__(rank, model, xla, check, watchdog, steps_per_call)
         model.warm_up(put=device.put)
         train, data = devices.jax_train_step(model)
         n_steps = model.n_train_batches // world
@@ -513,14 +514,15 @@ class XlaOrdered(DeviceOrdered):
 # -----------------------------------------------------------------------------
 # the worker
 
-def worker(args, rank, world, dev, rundir):
+def worker(args, rank, world, dev, rundir, watchdog):
     """One worker, start to end: its device, the data, the model, the
     trainer of the ordering asked for, the epochs; worker 0 validates,
     keeps the checkpoint and reports."""
     say = print if rank == 0 else (lambda *a, **k: None)  # only global rank 0 prints
     with ExitStack() as cleanup:
         # JAX's distributed runtime must start before anything else touches JAX
-        xla = XlaExchange(args.coordinator, world, rank, args.timeout, dev == "cpu") \
+        xla = XlaExchange(args.coordinator, world, rank, args.timeout, dev == "cpu",
+                          args.nodes == 1) \
             if args.exchange == "xla" else None
         device = devices.open_device(dev, jax_on_cpu=xla is not None)
         cleanup.callback(device.close)
@@ -539,7 +541,8 @@ def worker(args, rank, world, dev, rundir):
             for p in model.params:
                 place(p, device.put(storage(p)))
             stop_point(rank, "start")
-            trainer = make_trainer(args, rank, world, model, device, rundir, xla, cleanup)
+            trainer = make_trainer(args, rank, world, model, device, rundir, xla, watchdog,
+                                   cleanup)
             cleanup.callback(trainer.close)
             trainer.start()
         say(f"... compiled in {time.perf_counter() - t0:.1f} s")
@@ -559,6 +562,7 @@ def worker(args, rank, world, dev, rundir):
             if rank != 0:
                 continue
             trainer.to_model()
+            check_finite(model.get_params(), epoch, args.learning_rate)
             progress.validated(epoch, float(model.validate_model()), model.test_model,
                                model.get_params)
             say(f"epoch {epoch}/{args.epochs}: {n_steps} steps per worker ({world * n_steps} "
@@ -566,22 +570,34 @@ def worker(args, rank, world, dev, rundir):
                 f"{progress.validation_errors[-1] * 100.:.2f} %  "
                 f"({world * n_steps * args.batch_size / epoch_time:,.0f} samples/s)")
             if args.save:
-                progress.save(args.save, model.get_params())
+                progress.save(args.save, model.get_params(), args.trained_with)
         trainer.finish()
         if rank == 0:
             summarise(args, progress, trainer, n_steps, world, time.perf_counter() - start_time,
                       device, say)
 
 
-def make_trainer(args, rank, world, model, device, rundir, xla, cleanup):
+class Diverged(Exception):
+    """The weights are no longer numbers: one line, which says why that happens."""
+
+
+def check_finite(weights, epoch, learning_rate):
+    """Stop a run whose weights became NaN or infinite, before they are validated or saved."""
+    if not all(np.isfinite(w).all() for w in weights):
+        raise Diverged(f"after epoch {epoch} the weights are no longer finite (NaN or inf): "
+                       f"the training diverged; is --learning-rate {learning_rate:g} too large? "
+                       "The last checkpoint, if any, is the last good one")
+
+
+def make_trainer(args, rank, world, model, device, rundir, xla, watchdog, cleanup):
     """The trainer of the ordering asked for (see the module's text)."""
     if xla:
-        return XlaOrdered(rank, world, model, device, xla, args.check, args.timeout,
+        return XlaOrdered(rank, world, model, device, xla, args.check, watchdog,
                           args.steps_per_call)
     peer = Peer(rundir, rank, world, args.timeout, stopping, device.spin)
     cleanup.callback(peer.close)
     if args.sync == "gpu":
-        return GpuOrdered(rank, world, model, device, peer, args.check, args.timeout,
+        return GpuOrdered(rank, world, model, device, peer, args.check, watchdog,
                           args.steps_per_call)
     return HostOrdered(rank, world, model, device, peer, rundir, args.avg, args.staged,
                        args.check)
@@ -604,7 +620,7 @@ def summarise(args, progress, trainer, n_steps, world, wall, device, say):
     if not args.json:
         return
     summary = dict(
-        config={k: v for k, v in vars(args).items() if k != "worker"},
+        config={k: v for k, v in vars(args).items() if k not in ("worker", "launcher_pid")},
         **records.run_header(args.command), devices=args.devices, workers=world,
         nodes=args.nodes, exchange=args.exchange, sync=args.sync, route=trainer.route,
         device_name=device.description,
@@ -632,18 +648,30 @@ def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         return launcher.run_worker(worker, int(args.worker[0]), args.worker[1],
-                                   (PeerError, records.CheckpointError, datasets.DatasetError))
+                                   (PeerError, records.CheckpointError, datasets.DatasetError,
+                                    Diverged))
     started = time.perf_counter()
-    try:
-        notices = launcher.check_request(args, BATCH_SIZE, SHIPPED_BATCH_SIZE, STEPS_PER_CALL)
-    except (launcher.UsageError, datasets.DatasetError, records.CheckpointError) as e:
-        print(f"dual_mlp.py: error: {e}", file=sys.stderr)
-        return 2
-    for notice in notices:
-        print(notice, file=sys.stderr if notice.startswith("warning:") else sys.stdout)
     args.command = shlex.join(["python", "dual_mlp.py"] + (sys.argv[1:] if argv is None else argv))
-    code = launcher.launch(args, os.path.abspath(__file__))
-    if code == 0:
+    with ExitStack() as run:
+        try:
+            notices = launcher.check_request(args, BATCH_SIZE, SHIPPED_BATCH_SIZE, STEPS_PER_CALL)
+            run.enter_context(records.hold(args.save))
+            rundir, folder_notice = launcher.run_folder(args)
+            run.callback(shutil.rmtree, rundir, ignore_errors=True)
+            if args.nodes > 1 and args.node_rank == 0:  # the others prove they belong here
+                run.enter_context(launcher.Lobby(args.coordinator, args.run_options, args.nodes))
+            elif args.nodes > 1:
+                launcher.enter_lobby(args.coordinator, args.node_rank, args.run_options,
+                                     args.timeout)
+        except (launcher.UsageError, datasets.DatasetError, records.CheckpointError,
+                launcher.NoAnswer) as e:
+            print(f"dual_mlp.py: error: {e}", file=sys.stderr)
+            return 1 if isinstance(e, launcher.NoAnswer) else 2
+        for notice in notices + [folder_notice] if args.node_rank == 0 else []:  # one node speaks
+            if notice:
+                print(notice, file=sys.stderr if notice.startswith("warning:") else sys.stdout)
+        code = launcher.launch(args, os.path.abspath(__file__), rundir)
+    if code == 0 and args.node_rank == 0:
         print(f"total wall time {time.perf_counter() - started:.1f} s (start-up and compile "
               "included)")
     return code

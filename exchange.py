@@ -283,18 +283,24 @@ class XlaExchange:
     which global rank 0 hosts; from then on ``jax.devices()`` lists every
     worker's device, one each, and a program compiled over a mesh of them
     averages with an XLA all-reduce: NCCL between GPUs, gloo between CPUs.
-    The runtime's own heartbeats end every process within ``HEARTBEAT``
-    seconds of one vanishing, on whichever machine it ran.
+    The runtime's own heartbeats end every process a few seconds after
+    ``timeout`` once one has vanished, on whichever machine it ran: this
+    worker's watchdog, which names the worker that stopped, speaks first.
+
+    Nothing listens where nobody asked: the coordinator on ``--coordinator``
+    only; on one machine gloo's connections on the loopback (NCCL's, by
+    ``NCCL_SOCKET_IFNAME=lo``, which the launcher sets); on several, on the
+    interfaces named by ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``.
     """
 
-    HEARTBEAT = 10  # seconds
-
-    def __init__(self, coordinator, n_workers, rank, timeout, cpu):
+    def __init__(self, coordinator, n_workers, rank, timeout, cpu, one_machine):
         import jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         if cpu:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            gloo_on(host="127.0.0.1" if one_machine else None,
+                    interface=None if one_machine else os.environ.get("GLOO_SOCKET_IFNAME"))
         # JAX would abort with a stack trace after its own timeout: say why first
         with deadline(timeout, f"worker {rank}: error: the {n_workers} workers did not all "
                                f"meet at the coordinator {coordinator} within {timeout:g} s "
@@ -303,8 +309,8 @@ class XlaExchange:
             jax.distributed.initialize(
                 coordinator, num_processes=n_workers, process_id=rank,
                 local_device_ids=None if cpu else [0], coordinator_bind_address=coordinator,
-                initialization_timeout=int(timeout) + 30, heartbeat_timeout_seconds=self.HEARTBEAT,
-                shutdown_timeout_seconds=int(timeout))
+                initialization_timeout=int(timeout) + 30,
+                heartbeat_timeout_seconds=int(timeout) + 5, shutdown_timeout_seconds=int(timeout))
         self.jax, self.P, self.n = jax, PartitionSpec, n_workers
         self.mesh = Mesh(np.array(jax.devices()), ("workers",))
         self.same_everywhere = NamedSharding(self.mesh, PartitionSpec())
@@ -341,6 +347,19 @@ class XlaExchange:
         """Every worker's ``host_array``, stacked: (n_workers, ...)."""
         from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(host_array))
+
+
+def gloo_on(host, interface):
+    """Make JAX's CPU client open gloo's sockets on ``host`` or ``interface``
+    (JAX passes neither: gloo then takes the address the machine's name
+    resolves to, a network interface).  JAX builds the client on the first
+    use of a device, after ``jax.distributed.initialize``."""
+    from jax._src import xla_bridge
+    make = xla_bridge._jax.make_gloo_tcp_collectives
+
+    def where_asked(distributed_client, **_):
+        return make(distributed_client=distributed_client, hostname=host, interface=interface)
+    xla_bridge._jax.make_gloo_tcp_collectives = where_asked
 
 
 @contextlib.contextmanager

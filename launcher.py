@@ -22,6 +22,7 @@ import itertools
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -172,12 +173,149 @@ def check_nodes(args):
                          "that every node can reach")
 
 
+# the options that shape the training: a checkpoint records them, and every
+# node of a run must be given the same (with the data set's fingerprint)
+TRAINED_WITH = ("batch_size", "learning_rate", "n_hidden", "l1", "l2", "workers", "dataset")
+RUN_OPTIONS = TRAINED_WITH + ("epochs", "seed", "exchange", "sync", "avg", "steps_per_call",
+                              "nodes", "local_workers", "resume_epoch")
+
+
+def option_name(key):
+    return {"workers": "workers in all", "dataset": "data set (fingerprint)",
+            "local_workers": "workers per node", "resume_epoch": "resumed epoch"}.get(
+        key, "--" + key.replace("_", "-"))
+
+
+def differences(theirs, mine, keys):
+    """'--batch-size 100 there, 50 here; ...' for the keys whose values differ."""
+    return "; ".join(f"{option_name(k)} {theirs.get(k)} there, {mine.get(k)} here"
+                     for k in keys if theirs.get(k) != mine.get(k))
+
+
 def check_resume(args):
+    """The checkpoint fits, is not finished, and was trained as this run
+    asks (the learning rate may change, with a notice); returns a notice."""
     shapes = mlp.parameter_shapes(datasets.N_PIXELS, args.n_hidden, datasets.N_CLASSES)
     _, _, state = records.load_checkpoint(args.resume, shapes, records.TRAINING_STATE)
     if state["epoch"] >= args.epochs:
         raise UsageError(f"{args.resume} is already at epoch {state['epoch']}: "
                          f"ask for more --epochs")
+    args.resume_epoch = state["epoch"]
+    saved = state.get("config")
+    if saved is None:
+        return (f"notice: {args.resume} does not record how it was trained (an older "
+                "checkpoint): resuming with the options given")
+    fixed = [k for k in TRAINED_WITH if k != "learning_rate"]
+    if differences(saved, args.trained_with, fixed):
+        raise UsageError(f"{args.resume} was trained otherwise: "
+                         f"{differences(saved, args.trained_with, fixed)} (the checkpoint "
+                         "there, this run here): resume with its options, or start anew")
+    if saved["learning_rate"] != args.learning_rate:
+        return (f"notice: the learning rate changes from {saved['learning_rate']} to "
+                f"{args.learning_rate} at epoch {state['epoch'] + 1}")
+    return None
+
+
+def check_outputs(args):
+    """No output overwrites an input or another output of this run."""
+    why = cli.clash({"--dataset": datasets.files_of(args.dataset), "--resume": [args.resume]},
+                    {"--save": [args.save], "--json": [args.json]},
+                    allowed={("--save", "--resume")})
+    if why:
+        raise UsageError(why)
+
+
+def check_port(address):
+    """Refuse a HOST:PORT that this machine cannot listen on now (taken, or
+    not one of its addresses), before any worker starts."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.socket() as s:
+            s.bind((host, int(port)))
+    except OSError as e:
+        raise UsageError(f"cannot listen on {address} ({e.strerror.lower()}): another run "
+                         "there, or not this machine's address? see --coordinator") from None
+
+
+class Lobby:
+    """Node 0's door to a run of several machines, at the coordinator's port
+    + 1: a node shows its run options (``RUN_OPTIONS``, with the data set's
+    fingerprint) and its node rank, and is let in only where the options are
+    node 0's and the rank is free.  A foreign run started on the same port,
+    or a node given another option, is so refused in one line before it
+    reaches JAX's coordinator, where it would end the live run."""
+
+    def __init__(self, coordinator, options, nodes):
+        import zmq
+        host, _, port = coordinator.rpartition(":")
+        self.address, self.options, self.joined = f"{host}:{int(port) + 1}", options, {0}
+        check_port(self.address)
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.REP)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(f"tcp://{self.address}")
+        self.open = True
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while self.open:
+            if not self.socket.poll(100):
+                continue
+            try:
+                visitor = json.loads(self.socket.recv())
+                rank, options = int(visitor["node_rank"]), dict(visitor["options"])
+            except (ValueError, KeyError, TypeError):
+                self.socket.send_json({"why": "not a dual_mlp.py node"})
+                continue
+            why = differences(self.options, options, RUN_OPTIONS)
+            if why:
+                why = f"node 0 runs other options: {why}"
+            elif rank in self.joined:
+                why = (f"node {rank} of the run at {self.address} has joined already: is "
+                       "another run using this --coordinator?")
+            else:
+                self.joined.add(rank)
+            self.socket.send_json({"why": why})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.open = False
+        self.thread.join()
+        self.socket.close()
+        self.context.term()
+
+
+class NoAnswer(Exception):
+    """Node 0 never answered: a run that did not happen (the launcher exits 1)."""
+
+
+def enter_lobby(coordinator, node_rank, options, timeout):
+    """Node ``node_rank`` asks node 0's lobby to let it in (``Lobby``)."""
+    import zmq
+    host, _, port = coordinator.rpartition(":")
+    address = f"{host}:{int(port) + 1}"
+    context = zmq.Context()
+    socket = context.socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(f"tcp://{address}")
+        socket.send(json.dumps({"node_rank": node_rank, "options": options}).encode())
+        deadline = time.monotonic() + timeout
+        while not socket.poll(100):
+            if stopping.is_set():
+                raise UsageError("interrupted while waiting for node 0")
+            if time.monotonic() > deadline:
+                raise NoAnswer(f"node 0 did not answer at {address} within {timeout:g} s (is "
+                               "it started, and can this machine reach it? see --timeout)")
+        why = json.loads(socket.recv())["why"]
+    finally:
+        socket.close()
+        context.term()
+    if why:
+        raise UsageError(f"refused by node 0 at {address}: {why}")
 
 
 def check_steps_per_call(args, n_steps, default):
@@ -214,7 +352,9 @@ def check_request(args, batch_size, shipped_batch_size, steps_per_call):
         raise UsageError("the GPU path runs in float32: drop floatX from the flags")
     args.dataset, notice = datasets.resolve(args.dataset)
     notices.append(notice)
-    n_train = len(datasets.read_checked(args.dataset)[0][0])
+    check_outputs(args)
+    splits = datasets.read_checked(args.dataset)
+    n_train = len(splits[0][0])
     if args.batch_size is None:
         args.batch_size = shipped_batch_size if args.dataset == datasets.SHIPPED else batch_size
         if args.dataset == datasets.SHIPPED:
@@ -225,15 +365,25 @@ def check_request(args, batch_size, shipped_batch_size, steps_per_call):
                          f"{n_train} images, and each of the {world} workers needs a minibatch")
     notices.append(check_steps_per_call(args, n_train // args.batch_size // world,
                                         steps_per_call))
+    args.trained_with = dict({k: getattr(args, k) for k in TRAINED_WITH[:-2]}, workers=world,
+                             dataset=datasets.fingerprint(splits))
+    args.resume_epoch = 0
     if args.resume:
-        check_resume(args)
+        notices.append(check_resume(args))
+    args.local_workers = len(args.devices)
+    args.run_options = {k: args.trained_with[k] if k in TRAINED_WITH else getattr(args, k)
+                        for k in RUN_OPTIONS}
     if args.exchange == "xla" and not args.coordinator:
         args.coordinator = free_local_address()
+    elif args.exchange == "xla" and args.node_rank == 0:
+        check_port(args.coordinator)
     return [n for n in notices if n]
 
 
-def worker_environment(dev, n_local):
+def worker_environment(dev, n_local, one_machine=True):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if one_machine:  # NCCL's bootstrap sockets on the loopback, where nobody else reaches
+        env["NCCL_SOCKET_IFNAME"] = "lo"
     if dev == "cpu":
         # the workers share the cores: each gets its part, or they fight over all of them
         threads = str(max(1, (os.cpu_count() or 2) // n_local))
@@ -250,44 +400,54 @@ def worker_environment(dev, n_local):
 
 
 class Worker:
-    """A worker process seen from the launcher; its stderr is passed through
-    and its last lines kept, to say why it failed."""
+    """A worker process seen from the launcher.  One process speaks: worker
+    0's warnings and notices pass through to the terminal; every other line
+    of error output is kept, to say why a worker failed (with its traceback
+    where it failed unexpectedly), and nothing passes once the run is being
+    stopped (JAX's runtime logs pages of fatal lines as its peers go)."""
 
     # what names a failure: our own one-line errors, a Python exception, a
     # fatal log line of JAX's runtime (glog: F1130 12:00:00.000 123 file.cc:80] ...)
     ERROR = re.compile(r"(worker \d+: error: .*|[\w.]*(Error|Exception)\b.*"
                        r"|F\d{4} \S+ +\d+ \S+\] .*)")
+    SPOKEN = re.compile(r"worker 0: (warning|notice): .*")
+    quiet = False  # set for every worker once the run is being stopped
 
-    def __init__(self, script, index, rank, dev, rundir, n_local):
+    def __init__(self, script, index, rank, dev, rundir, n_local, one_machine):
         self.rank, self.dev = rank, dev
         # A process group of its own: a terminal's Ctrl-C reaches the launcher
         # alone, which stops every worker, whatever each is doing just then.
         self.proc = subprocess.Popen(
             [sys.executable, script, "--worker", str(index), rundir],
-            env=worker_environment(dev, n_local), stderr=subprocess.PIPE, text=True,
+            env=worker_environment(dev, n_local, one_machine), stderr=subprocess.PIPE, text=True,
             process_group=0)
-        self.tail = collections.deque(maxlen=50)
+        self.tail = collections.deque(maxlen=200)
         self.pump = threading.Thread(target=self._pass_stderr, daemon=True)
         self.pump.start()
 
     def _pass_stderr(self):
         for line in self.proc.stderr:
-            sys.stderr.write(line)
+            if not Worker.quiet and self.SPOKEN.fullmatch(line.rstrip()):
+                sys.stderr.write(line)
             self.tail.append(line.rstrip())
 
     def cause(self):
-        """The line of its error output that says what went wrong, and how it ended."""
+        """The line of its error output that says what went wrong, how it
+        ended, and before them its traceback where it failed unexpectedly."""
         self.pump.join(timeout=2)
         code = self.proc.returncode
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        lines = [line.strip() for line in self.tail if line.strip()]
-        errors = [line for line in lines if self.ERROR.fullmatch(line)]
-        last = (errors or lines or [None])[-1]
-        return f"{last} ({how})" if last else how
+        lines = [line for line in self.tail if line.strip()]
+        errors = [line.strip() for line in lines if self.ERROR.fullmatch(line.strip())]
+        last = (errors or [line.strip() for line in lines] or [None])[-1]
+        trace = lines[max(i for i, line in enumerate(lines) if line.startswith("Traceback")):-1] \
+            if any(line.startswith("Traceback") for line in lines) else []
+        return "".join(line + "\n" for line in trace), f"{last} ({how})" if last else how
 
 
 def stop(workers, grace=2.0):
     """SIGTERM every worker still running, SIGKILL what is left after ``grace``."""
+    Worker.quiet = True
     for w in workers:
         if w.proc.poll() is None:
             w.proc.terminate()
@@ -300,20 +460,36 @@ def stop(workers, grace=2.0):
             w.proc.wait()
 
 
-def launch(args, script):
+def run_folder(args):
+    """A private folder for the run's sockets, buffers and heartbeats: in
+    shared memory where it has room for them, else on disk; named after this
+    launcher, so that nobody mistakes it for another run's."""
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    n_params = sum(int(np.prod(s)) for s in mlp.parameter_shapes(
+        datasets.N_PIXELS, args.n_hidden, datasets.N_CLASSES))
+    needed = 4 * len(args.devices) * n_params * 4 + (1 << 20)  # weights files, with room
+    notice = None
+    if shm and shutil.disk_usage(shm).free < needed:
+        notice = (f"notice: /dev/shm has {shutil.disk_usage(shm).free >> 20} MB free, the run "
+                  f"needs {needed >> 20} MB there: its buffers go to a folder on disk")
+        shm = None
+    folder = shm or tempfile.gettempdir()
+    if shutil.disk_usage(folder).free < needed:
+        raise UsageError(f"{folder} has {shutil.disk_usage(folder).free >> 20} MB free, the "
+                         f"run needs {needed >> 20} MB for its buffers")
+    return tempfile.mkdtemp(prefix=f"dual_mlp-{os.getpid()}-", dir=folder), notice
+
+
+def launch(args, script, rundir):
     """Start the workers (``script --worker INDEX RUNDIR``) and wait; if one
     fails, stop the others at once.  Returns the exit code."""
-    # a private directory for the sockets and buffers: no fixed port, no clash
-    # between two runs, nothing reachable from the network
-    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    rundir = tempfile.mkdtemp(prefix="dual_mlp-", dir=shm)
     cli.install_stop_handler(request_stop)
     workers, n_local = [], len(args.devices)
     try:
         with open(os.path.join(rundir, "config.json"), "w") as f:
-            json.dump(vars(args), f)
-        workers = [Worker(script, i, args.node_rank * n_local + i, dev, rundir, n_local)
-                   for i, dev in enumerate(args.devices)]
+            json.dump(dict(vars(args), launcher_pid=os.getpid()), f)
+        workers = [Worker(script, i, args.node_rank * n_local + i, dev, rundir, n_local,
+                          args.nodes == 1) for i, dev in enumerate(args.devices)]
         while not stopping.is_set():
             codes = [w.proc.poll() for w in workers]
             if all(code == 0 for code in codes):
@@ -329,7 +505,8 @@ def launch(args, script):
                     stopping.signum = failed[0].proc.returncode - 128  # Ctrl-C reached them first
                     break
                 w = failed[0]
-                print(f"error: worker {w.rank} (device {w.dev}) failed: {w.cause()}",
+                trace, cause = w.cause()
+                print(f"{trace}error: worker {w.rank} (device {w.dev}) failed: {cause}",
                       file=sys.stderr)
                 return 1
             time.sleep(0.05)
@@ -392,15 +569,23 @@ def fault_point(rank, where):
 
 
 class Watchdog:
-    """A thread that ends this worker when, in an epoch, no step finishes
-    for ``timeout`` seconds, or a stop request goes unheeded for a second.
-    Where the devices order the steps, a GPU waiting for ever on a peer that
-    stalled or died can hold the host thread inside a call into XLA (which
-    waits for the last launch before it launches again): no check of ours
-    runs there, and a signal only sets a flag."""
+    """A thread that ends this worker where its main thread cannot notice:
+    when the launcher is gone (an orphan exits at once), when a stop request
+    goes unheeded for a second, and, while armed (in an epoch), when no step
+    finishes for ``timeout`` seconds.  Where the devices order the steps, a
+    GPU waiting for ever on a peer that stalled or died can hold the main
+    thread inside a call into XLA: no check of ours runs there, and Python
+    runs a signal handler only once that call returns, so the signals reach
+    this thread through a wake-up file descriptor.  Every 0.1 s it also
+    stamps this worker's heartbeat file in the run folder, so that a stall
+    names the worker that stopped running (one machine)."""
 
-    def __init__(self, rank, timeout):
-        self.rank, self.timeout, self.last, self.armed = rank, timeout, time.monotonic(), False
+    def __init__(self, rank, world, rundir, parent, timeout):
+        self.rank, self.world, self.rundir, self.parent = rank, world, rundir, parent
+        self.timeout, self.last, self.armed = timeout, time.monotonic(), False
+        self.wakeup, writer = os.pipe()
+        os.set_blocking(writer, False)
+        signal.set_wakeup_fd(writer)
         threading.Thread(target=self._watch, daemon=True).start()
 
     def alive(self):
@@ -413,21 +598,59 @@ class Watchdog:
     def __exit__(self, *exc):
         self.armed = False
 
+    def heartbeat_path(self, rank):
+        return os.path.join(self.rundir, f"alive-{rank}")
+
+    def stalled(self):
+        """The workers of this machine whose heartbeat stopped, by rank."""
+        now = time.time()
+        late = []
+        for rank in range(self.world):
+            try:
+                if now - os.path.getmtime(self.heartbeat_path(rank)) > 1.0:
+                    late.append(rank)
+            except OSError:
+                pass  # on another machine
+        return late
+
     def _watch(self):
         stop_seen = None
+        beat = self.heartbeat_path(self.rank)
         while True:
-            time.sleep(0.1)
+            if select.select([self.wakeup], [], [], 0.1)[0]:
+                signum = os.read(self.wakeup, 1)[0]
+                stopping.signum = stopping.signum or signum
             now = time.monotonic()
-            if not self.armed:
-                continue
+            try:
+                os.utime(beat) if os.path.exists(beat) else open(beat, "w").close()
+            except OSError:
+                pass
+            if os.getppid() != self.parent:
+                quit_now(128 + signal.SIGTERM)  # the launcher is gone
             if stopping.is_set():
                 stop_seen = stop_seen or now
                 if now - stop_seen > 1.0:
                     quit_now(128 + stopping.signum)
-            elif now - self.last > self.timeout:
+            elif self.armed and now - self.last > self.timeout:
+                late = [r for r in self.stalled() if r != self.rank]
+                who = (f"worker {', '.join(map(str, late))} stopped running" if late
+                       else "another worker stalled")
                 print(f"worker {self.rank}: error: no step finished within {self.timeout:g} s: "
-                      "another worker stalled (see --timeout)", file=sys.stderr, flush=True)
+                      f"{who} (see --timeout)", file=sys.stderr, flush=True)
                 quit_now(1)
+
+
+class Unwatched:
+    """A trainer's watchdog outside a launcher (tests, benchmarks): none."""
+
+    def alive(self):
+        pass
+
+    def __enter__(self):
+        pass
+
+    def __exit__(self, *exc):
+        pass
 
 
 def die_with_parent():
@@ -438,27 +661,76 @@ def die_with_parent():
         pass
 
 
+RUN_FOLDER = None  # this worker's run folder, which every way out removes
+
+
 def quit_now(code):
     """Exit without Python's clean-up: a GPU may wait for ever on a peer that
-    is gone, and freeing its memory, or JAX's own exit, would wait with it."""
-    sys.stdout.flush()
+    is gone, and freeing its memory, or JAX's own exit, would wait with it.
+    The run folder goes first (the launcher, if it is still there, stops
+    the others, which have their files open)."""
+    if RUN_FOLDER:
+        shutil.rmtree(RUN_FOLDER, ignore_errors=True)
+    release_stdout()
     sys.stderr.flush()
     os._exit(code)
 
 
+FORWARD = None  # worker 0's thread that passes its standard output on
+
+
+def keep_stdout_clean(rank, rundir):
+    """One process speaks: worker 0's standard output reaches the terminal
+    without the lines gloo's C++ writes there on every rank, and every
+    other worker's goes to a file in the run folder."""
+    global FORWARD
+    if rank != 0:
+        os.dup2(os.open(os.path.join(rundir, f"worker-{rank}.out"), os.O_WRONLY | os.O_CREAT,
+                        0o600), 1)
+        return
+    terminal = os.dup(1)
+    reader, writer = os.pipe()
+    os.dup2(writer, 1)
+    os.close(writer)
+
+    def forward():
+        for line in os.fdopen(reader, "rb"):
+            if not line.startswith(b"[Gloo]"):
+                os.write(terminal, line)
+    FORWARD = threading.Thread(target=forward, daemon=True)
+    FORWARD.start()
+
+
+def release_stdout():
+    """Everything worker 0 wrote is on the terminal before it exits."""
+    sys.stdout.flush()
+    if FORWARD:
+        os.close(1)  # the pipe's last writer: the thread reads to its end
+        FORWARD.join(timeout=2)
+
+
 def run_worker(work, index, rundir, one_line_errors):
     """Worker ``index`` of this launcher: ``work(args, rank, world, device,
-    rundir)`` with the request the launcher left in ``rundir``.  An error of
-    ``one_line_errors`` is said in one line, any other with its traceback."""
-    parent = os.getppid()
+    rundir, watchdog)`` with the request the launcher left in ``rundir``.  An
+    error of ``one_line_errors`` is said in one line, any other with its
+    traceback."""
+    global RUN_FOLDER
+    RUN_FOLDER = rundir
     die_with_parent()
+    try:
+        with open(os.path.join(rundir, "config.json")) as f:
+            args = types.SimpleNamespace(**json.load(f))
+    except OSError:  # the launcher is gone, and its folder with it
+        return quit_now(128 + signal.SIGTERM)
+    if os.getppid() != args.launcher_pid:  # it died before it could ask Linux to end us
+        return quit_now(128 + signal.SIGTERM)
     cli.install_stop_handler(request_stop)
-    with open(os.path.join(rundir, "config.json")) as f:
-        args = types.SimpleNamespace(**json.load(f))
     rank, world = args.node_rank * len(args.devices) + index, args.nodes * len(args.devices)
+    keep_stdout_clean(rank, rundir)
+    watchdog = Watchdog(rank, world, rundir, args.launcher_pid, args.timeout)
     code = 0
     try:
-        work(args, rank, world, args.devices[index], rundir)
+        work(args, rank, world, args.devices[index], rundir, watchdog)
     except Exception as e:
         if stopping.is_set():  # asked to stop: what broke on the way out is no news
             code = 128 + stopping.signum
@@ -468,11 +740,7 @@ def run_worker(work, index, rundir, one_line_errors):
         else:
             traceback.print_exc()
             code = 1
-    finally:
-        # Told to stop, or orphaned: the launcher may be dying too, and the
-        # files there are of no use to the peer any more (it has them open).
-        if stopping.is_set() or os.getppid() != parent:
-            shutil.rmtree(rundir, ignore_errors=True)
-    if code:
+    if code or os.getppid() != args.launcher_pid:
         quit_now(code)
+    release_stdout()
     return 0

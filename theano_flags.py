@@ -26,6 +26,7 @@ removed, so child processes inherit the result without warning again.
 import os
 import re
 import sys
+import tempfile
 
 THEANO_ONLY = ("init_gpu_device", "contexts", "force_device", "print_active_device",
                "gpuarray__", "dnn__", "lib__cnmem", "nvcc__", "cuda__", "pycuda__",
@@ -94,6 +95,16 @@ def apply(environ=os.environ):
                        if v and v in message]
             message = f"PYTENSOR_FLAGS: {(culprit or ['a flag'])[0]}: {message}"
         print(f"{script}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+    try:  # PyTensor makes its cache folder at the first compile: deep in a worker
+        with tempfile.TemporaryFile(dir=pytensor.config.compiledir):
+            pass
+    except (OSError, ValueError) as e:
+        where = next((f"{k}={v}" for k, v in parse(pytensor_flags).items() if "compiledir" in k),
+                     "its cache folder")
+        why = e.strerror if isinstance(e, OSError) else "it cannot be created"
+        print(f"{script}: error: PYTENSOR_FLAGS: {where}: PyTensor cannot keep its compiled "
+              f"code there ({why})", file=sys.stderr)
         sys.exit(2)
     if "floatX" not in parse(pytensor_flags):
         # the default, set here rather than in the flags that child

@@ -84,7 +84,7 @@ def gpu_ordered_step(model, device, steps_per_call, cpu):
     import stream_exchange
     if cpu:
         stream_exchange.StreamExchange = HostEcho
-    trainer = dual_mlp.GpuOrdered(0, 1, model, device, None, check=False, timeout=600,
+    trainer = dual_mlp.GpuOrdered(0, 1, model, device, None, check=False, watchdog=None,
                                   steps_per_call=steps_per_call)
     trainer.exchange.loopback()
 

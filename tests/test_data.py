@@ -93,3 +93,64 @@ def test_every_corrupt_data_set_raises_a_one_line_error(tmp_path):
         with pytest.raises(datasets.DatasetError) as e:
             datasets.read(path)
         assert words in str(e.value) and "\n" not in str(e.value), name
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
+    """A crafted mnist.pkl.gz whose payload creates a file: the demo refuses it
+    in one line (exit 2) and the file is never created."""
+    import os
+
+    from conftest import dual
+
+    marker = tmp_path / "owned"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+    path = tmp_path / "mnist.pkl.gz"
+    path.write_bytes(gzip.compress(pickle.dumps((Payload(), None, None), protocol=2)))
+    for read in (lambda: datasets.read(str(path)), lambda: datasets.read_checked(str(path))):
+        with pytest.raises(datasets.DatasetError, match="refused: it asks for posix.system"):
+            read()
+    out = dual("cpu", "cpu", "--dataset", path, timeout=60)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "refused: it asks for posix.system, which a data set never needs" in out.stderr
+    out = dual("cpu", "cpu", cwd=tmp_path, timeout=60)  # the default ./mnist.pkl.gz, too
+    assert out.returncode == 2 and "refused" in out.stderr
+    assert not marker.exists()
+
+
+def test_what_is_not_an_array_of_numbers_is_refused(tmp_path):
+    objects = np.array([{"a": 1}] * 784 * 30, dtype=object).reshape(30, 784)
+    (tx, ty), valid, test = splits()
+    for name, data, words in [
+            ("objects", ((objects, ty), valid, test), "train images are object, not numbers"),
+            ("lists", (([[0.0] * 784] * 30, [int(v) for v in ty]), valid, test),
+             "is not two arrays"),
+            ("nan", ((np.full_like(tx, np.nan), ty), valid, test), "NaN or infinite"),
+            ("inf", ((tx, ty), (np.full_like(valid[0], np.inf), valid[1]), test),
+             "NaN or infinite")]:
+        path = tmp_path / f"{name}.pkl.gz"
+        path.write_bytes(gzip.compress(pickle.dumps(data, protocol=2)))
+        with pytest.raises(datasets.DatasetError, match=words):
+            datasets.read(str(path))
+
+
+def test_a_fifo_or_an_empty_split_is_refused_without_blocking(tmp_path):
+    import os
+    fifo = tmp_path / "data.pkl.gz"
+    os.mkfifo(fifo)
+    with pytest.raises(datasets.DatasetError, match="not a regular file"):
+        datasets.resolve(str(fifo))
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    idx_folder(folder)
+    (folder / "t10k-images-idx3-ubyte.gz").unlink()
+    os.mkfifo(folder / "t10k-images-idx3-ubyte.gz")
+    with pytest.raises(datasets.DatasetError, match="not a regular file"):
+        datasets.read(str(folder))
+    (folder / "t10k-images-idx3-ubyte.gz").unlink()
+    datasets.write_idx(str(folder / "t10k-images-idx3-ubyte.gz"), np.zeros((0, 28, 28)))
+    datasets.write_idx(str(folder / "t10k-labels-idx1-ubyte.gz"), np.zeros(0))
+    with pytest.raises(datasets.DatasetError, match="test set is empty"):
+        datasets.read(str(folder))

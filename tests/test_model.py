@@ -153,7 +153,7 @@ def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_wei
     model.warm_up(put=device.put)
     start = model.get_params()
     no_peer = types.SimpleNamespace(gather=None, barrier=lambda: None)
-    trainer = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, timeout=30,
+    trainer = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, watchdog=None,
                                   steps_per_call=1)
     trainer.done = lambda step: True  # no counter in host memory without the CUDA side
     trainer.epoch(5)
@@ -166,10 +166,10 @@ def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_wei
     # K steps per call: the same steps in the same order, the programs of 4
     # and of the 2 left at the end of an epoch of 30 taking the same minibatches
     model.set_params(start, put=device.put)
-    many = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, timeout=30,
+    many = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, watchdog=None,
                                steps_per_call=4)
     many.done = trainer.done
-    one = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, timeout=30,
+    one = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, watchdog=None,
                               steps_per_call=1)
     one.done = trainer.done
     for t in (many, one):
@@ -215,7 +215,7 @@ def test_gpu_ordered_programs_are_compiled_before_the_first_epoch(monkeypatch):
     device = JaxDevice()
     model = mlp.Model(load_data(datasets.SHIPPED, put=device.put), 100, mode="JAX")
     no_peer = types.SimpleNamespace(gather=None, barrier=lambda: None)
-    trainer = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, timeout=30,
+    trainer = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, watchdog=None,
                                   steps_per_call=4)
     compiled = []
     handler = logging.Handler()
