@@ -254,10 +254,16 @@ def main(argv=None):
                         help="write a summary (timings, errors) as JSON")
     args = parser.parse_args(argv)
     try:
-        test_mlp(args.learning_rate, args.l1, args.l2, args.epochs, args.dataset,
-                 args.batch_size, args.n_hidden, args.seed, args.save, args.json,
-                 gpu_from_flags())
-    except datasets.DatasetError as e:
+        dataset, _ = datasets.resolve(args.dataset)
+        clash = cli.clash({"--dataset": datasets.files_of(dataset)},
+                          {"--save": [args.save], "--json": [args.json]})
+        if clash:
+            raise datasets.DatasetError(clash)
+        with records.hold(args.save):
+            test_mlp(args.learning_rate, args.l1, args.l2, args.epochs, args.dataset,
+                     args.batch_size, args.n_hidden, args.seed, args.save, args.json,
+                     gpu_from_flags())
+    except (datasets.DatasetError, records.CheckpointError) as e:
         print(f"mlp.py: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a write that failed at the end (a full disk): the file before is kept

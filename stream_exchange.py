@@ -168,10 +168,12 @@ exchange(const Peers *peers, int rank, int n_workers, const Segments weights, un
     if (me < n_workers) wait_for(&mine->reduced[b][me], t - 2);   // send[t %% 2] is free
     __syncthreads();
     const long long n = weights.end[weights.count - 1], slot = (t & 1) * n,
-                    first = b * (long long)blockDim.x + me, stride = (long long)gridDim.x * blockDim.x;
+                    first = b * (long long)blockDim.x + me,
+                    stride = (long long)gridDim.x * blockDim.x;
     float *published = peers->send[rank] + slot;
     int s = 0;
-    for (long long i = first; i < n; i += stride) published[i] = *element(weights, s, i);  // publish
+    for (long long i = first; i < n; i += stride)                 // publish
+        published[i] = *element(weights, s, i);
     __syncthreads();
     if (me < n_workers) {                                         // signal: "published t",
         store_release(&peers->flags[me]->published[b][rank], t);  // a 4-byte NVLink store

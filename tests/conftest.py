@@ -23,24 +23,47 @@ import mlp  # noqa: E402
 SHAPES = mlp.parameter_shapes(784, 500, 10)  # the demo's model: its checkpoints hold these
 
 
+# Every run the tests start carries this token in its environment, and its
+# launcher's pid is kept: the tests look only at the processes and folders
+# they started, so that a demo running beside them (another user's, say)
+# neither fails them nor is touched by them.
+TOKEN = f"{os.getpid()}-{time.time_ns()}"
+LAUNCHERS = set()
+
+
+def environment(env=None):
+    return dict(os.environ, DUAL_MLP_TESTS=TOKEN, **(env or {}))
+
+
 def script(name, *args, env=None, timeout=600, cwd=ROOT):
     """Run one of the repository's scripts to completion; returns CompletedProcess."""
-    return subprocess.run([sys.executable, str(ROOT / name), *map(str, args)], cwd=cwd,
-                          env=dict(os.environ, **(env or {})), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.Popen([sys.executable, str(ROOT / name), *map(str, args)], cwd=cwd,
+                            env=environment(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    LAUNCHERS.add(proc.pid)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def dual(*args, **kw):
     return script("dual_mlp.py", *args, **kw)
 
 
-def start_dual(*args, env=None, cwd=ROOT):
-    """Start dual_mlp.py in its own process group, without waiting."""
+def start_dual(*args, env=None, cwd=ROOT, mine=True):
+    """Start dual_mlp.py in its own process group, without waiting; ``mine``:
+    as one of the tests' runs (else as a run of someone else's)."""
+    env = environment(env) if mine else dict(os.environ, **(env or {}))
     proc = subprocess.Popen([sys.executable, str(ROOT / "dual_mlp.py"), *map(str, args)],
-                            cwd=cwd, env=dict(os.environ, **(env or {})), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     STARTED.append(proc)
+    if mine:
+        LAUNCHERS.add(proc.pid)
     return proc
 
 
@@ -84,12 +107,13 @@ def wait_for(predicate, timeout, what):
 
 
 def leftover_workers():
-    """dual_mlp worker processes still alive (zombies included) anywhere."""
+    """The tests' dual_mlp worker processes still alive (zombies included)."""
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
             if "--worker" in (p.info["cmdline"] or []) and any(
-                    c.endswith("dual_mlp.py") for c in p.info["cmdline"]):
+                    c.endswith("dual_mlp.py") for c in p.info["cmdline"]) and \
+                    p.environ().get("DUAL_MLP_TESTS") == TOKEN:
                 found.append(p)
         except psutil.Error:
             pass
@@ -97,8 +121,9 @@ def leftover_workers():
 
 
 def run_directories():
-    """The launcher's private run directories that exist now."""
-    return set(Path("/dev/shm").glob("dual_mlp-*")) | set(Path("/tmp").glob("dual_mlp-*"))
+    """The run folders of the tests' launchers that exist now."""
+    return {p for folder in ("/dev/shm", "/tmp") for p in Path(folder).glob("dual_mlp-*-*")
+            if p.name.split("-")[1].isdigit() and int(p.name.split("-")[1]) in LAUNCHERS}
 
 
 @pytest.fixture
@@ -185,6 +210,10 @@ def corrupt_cases(tmp_path):
     bad[0] = (bad[0][0], bad[0][1][:-1])
     cases["counts"] = (file("counts.pkl.gz", gzip.compress(pickle.dumps(tuple(bad)))),
                        "30 images but 29 labels")
+    bad = list(splits())
+    bad[2] = (np.full_like(bad[2][0], np.nan), bad[2][1])
+    cases["nan"] = (file("nan.pkl.gz", gzip.compress(pickle.dumps(tuple(bad)))),
+                    "test images hold NaN or infinite values")
     folder = tmp_path / "idx"
     folder.mkdir()
     idx_folder(folder)

@@ -15,7 +15,8 @@ import pytest
 import cli
 import mlp
 import records
-from conftest import SHAPES, ROOT, dual, finish, script, start_dual, wait_for, wait_until_training
+from conftest import (LAUNCHERS, SHAPES, ROOT, dual, environment, finish, script, start_dual,
+                      wait_for, wait_until_training)
 
 
 @contextlib.contextmanager
@@ -81,8 +82,9 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_prints_the_summary(tmp_pa
         assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
         assert out.stderr.count("could not write") == 2
         assert "(No space left on device): the previous one is kept" in out.stderr
-        _, _, state = records.load_checkpoint(str(disk / "m.npz"), mlp.parameter_shapes(784, 10, 10),
-                                          records.TRAINING_STATE)
+        _, _, state = records.load_checkpoint(str(disk / "m.npz"),
+                                              mlp.parameter_shapes(784, 10, 10),
+                                              records.TRAINING_STATE)
         assert state["epoch"] == 1  # the first, intact
         fill(disk)
         out = dual("cpu", "cpu", "--epochs", 1, "--json", disk / "run.json")
@@ -112,7 +114,8 @@ def test_bad_flags_are_refused_in_one_line_naming_the_flag(name):
     for flags, words in [("foo", "'foo' is not of the form name=value"),
                          ("mode=FOO", "mode=FOO"), ("floatX=float16", "floatX=float16"),
                          ("floatX=int8", "floatX=int8"), ("optimizer=bogus", "optimizer=bogus"),
-                         ("device=tpu0", "device=tpu0")]:
+                         ("device=tpu0", "device=tpu0"),
+                         ("base_compiledir=/proc/x", "base_compiledir=/proc/x")]:
         one_line_error(script(name, env={"THEANO_FLAGS": flags}, timeout=60), words)
     one_line_error(script(name, env={"PYTENSOR_FLAGS": "linker=xyz"}, timeout=60), "linker=xyz")
 
@@ -159,7 +162,8 @@ def test_a_signal_at_any_moment_of_start_up_gives_no_traceback(name, no_leftover
         sig = rng.choice([signal.SIGINT, signal.SIGTERM])
         proc = subprocess.Popen([sys.executable, str(ROOT / name), "--epochs", "1000"], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+                                start_new_session=True, env=environment())
+        LAUNCHERS.add(proc.pid)
         time.sleep(delay)
         os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C reaches the whole group
         out, err = proc.communicate(timeout=30)
@@ -171,10 +175,17 @@ def test_a_signal_at_any_moment_of_start_up_gives_no_traceback(name, no_leftover
 
 @pytest.mark.parametrize("name", ["dual_mlp.py", "mlp.py"])
 def test_a_closed_stdout_pipe_ends_quietly(name, no_leftovers):
-    proc = subprocess.run(f"{sys.executable} {ROOT / name} --epochs 1000 | head -3",
-                          shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert len(proc.stdout.splitlines()) == 3
-    assert proc.stderr == "", proc.stderr
+    """As ``python dual_mlp.py | head -3`` does: three lines read, then the pipe closed."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / name), "--epochs", "1000"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=environment())
+    LAUNCHERS.add(proc.pid)
+    lines = [proc.stdout.readline() for _ in range(3)]
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.wait(timeout=120)
+    assert len(lines) == 3 and all(line.endswith("\n") for line in lines)
+    assert err == "", err
 
 
 def test_a_stray_temporary_of_an_interrupted_checkpoint_write_is_removed(tmp_path):

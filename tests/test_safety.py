@@ -1,0 +1,262 @@
+"""Nothing lost, nobody in: outputs that would destroy inputs, shared paths
+and ports, runs beside other runs, orphans, diverging runs, unclear ends.
+Real processes, real files, real sockets."""
+import hashlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import datasets
+import records
+from conftest import (LAUNCHERS, ROOT, SHAPES, TOKEN, dual, finish, kill_one_worker,
+                      leftover_workers, run_directories, script, start_dual, wait_for,
+                      wait_until_training, workers_of)
+
+
+def one_line(out, code, *words):
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == code and len(lines) == 1, out.stderr
+    for w in words:
+        assert w in lines[0], out.stderr
+
+
+def digest(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_output_never_overwrites_an_input_or_another_output(tmp_path, no_leftovers):
+    data = tmp_path / "D.pkl.gz"
+    shutil.copy(datasets.SHIPPED, data)
+    before = digest(data)
+    (tmp_path / "link.pkl.gz").symlink_to(data)
+    out = dual("cpu", "cpu", "--epochs", 1, "--save", tmp_path / "c.npz")
+    assert out.returncode == 0, out.stderr
+    checkpoint = digest(tmp_path / "c.npz")
+    cases = [
+        (["--dataset", data, "--save", data], "--save", "is --dataset's file"),
+        (["--dataset", data, "--json", tmp_path / "link.pkl.gz"], "--json", "is --dataset's"),
+        (["--save", tmp_path / "x", "--json", tmp_path / "x"], "--save and --json name one file"),
+        (["--epochs", 2, "--resume", tmp_path / "c.npz", "--json", tmp_path / "c.npz"],
+         "--json", "is --resume's file")]
+    for args, *words in cases:
+        one_line(dual("cpu", "cpu", *args, timeout=60), 2, *words)
+    for option in ("--save", "--json"):
+        one_line(script("mlp.py", "--dataset", data, option, tmp_path / "link.pkl.gz"), 2,
+                 "an output never overwrites an input")
+    assert digest(data) == before and digest(tmp_path / "c.npz") == checkpoint
+    # continuing a checkpoint in place is what --save beside --resume is for
+    out = dual("cpu", "cpu", "--epochs", 2, "--resume", tmp_path / "c.npz", "--save",
+               tmp_path / "c.npz")
+    assert out.returncode == 0, out.stderr
+    assert records.load_checkpoint(str(tmp_path / "c.npz"), SHAPES,
+                                   records.TRAINING_STATE)[2]["epoch"] == 2
+
+
+def test_a_second_run_on_a_held_checkpoint_is_refused_and_touches_nothing(tmp_path,
+                                                                          no_leftovers):
+    ckpt = tmp_path / "m.npz"
+    live = start_dual("cpu", "cpu", "--epochs", 1000, "--save", ckpt)
+    wait_until_training(live)
+    wait_for(ckpt.exists, 60, "a first checkpoint")
+    writing = tmp_path / ".m.npz.live-run.tmp"  # as the live run's write in progress
+    writing.write_bytes(b"half a checkpoint")
+    for name in ("dual_mlp.py", "mlp.py"):
+        out = script(name, *(["cpu", "cpu"] if name == "dual_mlp.py" else []), "--epochs", 1,
+                     "--save", ckpt, timeout=60)
+        one_line(out, 2, f"{ckpt} is being written by another run (pid {live.pid})")
+    assert writing.exists() and live.poll() is None
+    live.send_signal(signal.SIGINT)
+    assert finish(live, timeout=10)[0] == 130
+    out = dual("cpu", "cpu", "--epochs", 1, "--save", ckpt)  # nobody holds it now
+    assert out.returncode == 0, out.stderr
+    assert not writing.exists()  # a dead run's temporary, cleared by the new holder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.npz"]
+
+
+def ours_alive():
+    return [p for p in leftover_workers() if p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.parametrize("exchange", ["p2p", "xla"])
+def test_a_launcher_killed_at_any_moment_of_start_up_leaves_no_worker_and_no_folder(
+        exchange, no_leftovers):
+    for delay in (0.0, 0.1, 0.3, 0.6, 1.0, 1.5, 2.0, 3.0, 4.5):
+        proc = start_dual("cpu", "cpu", *(["cpu"] if exchange == "xla" else []), "--exchange",
+                          exchange, "--epochs", 1000)
+        time.sleep(delay)
+        proc.kill()  # the launcher alone: its workers must notice and go
+        proc.communicate()
+        wait_for(lambda: not ours_alive(), 15, f"the orphans to exit ({delay} s)")
+        wait_for(lambda: not [d for d in run_directories() if f"-{proc.pid}-" in d.name], 5,
+                 f"the run folder of a launcher killed after {delay} s to go")
+
+
+def listening(processes):
+    found = []
+    for p in processes:
+        found += [(p.pid, c.laddr.ip) for c in p.net_connections("inet")
+                  if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+def test_every_socket_of_a_one_machine_run_is_on_the_loopback(no_leftovers):
+    for devices in (["cpu"] * 3, ["cpu"] * 2):
+        proc = start_dual(*devices, "--exchange", "xla" if len(devices) == 3 else "p2p",
+                          "--epochs", 1000)
+        wait_until_training(proc)
+        found = listening([psutil.Process(proc.pid)] + workers_of(proc))
+        assert all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for _, ip in found), found
+        if len(devices) == 3:
+            assert found  # the coordinator and gloo do listen, there
+        else:
+            assert found == []  # peer to peer on one machine: ipc:// sockets only
+        proc.send_signal(signal.SIGINT)
+        finish(proc, timeout=15)
+
+
+def nodes(port, rank, *args, mine=True):
+    return start_dual("cpu", "cpu", "--nodes", 2, "--node-rank", rank, "--coordinator",
+                      f"127.0.0.1:{port}", *args, mine=mine)
+
+
+def test_a_foreign_run_on_a_live_runs_port_is_refused_and_the_live_run_goes_on(no_leftovers):
+    port = free_port()
+    live = [nodes(port, 1, "--epochs", 1000), nodes(port, 0, "--epochs", 1000)]
+    wait_until_training(live[1])
+    for rank, words in ((1, "has joined already: is another run using this --coordinator?"),
+                        (0, f"cannot listen on 127.0.0.1:{port}")):
+        foreign = nodes(port, rank, "--epochs", 1000)
+        code, _, err = finish(foreign, timeout=60)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+    time.sleep(2)
+    assert all(p.poll() is None for p in live)  # still training
+    assert live[1].stdout.readline().startswith("epoch ")
+    for p in live:
+        p.send_signal(signal.SIGINT)
+    for p in live:
+        finish(p, timeout=15)
+
+
+def test_a_node_given_another_option_is_refused_in_one_line(no_leftovers):
+    port = free_port()
+    node0 = nodes(port, 0, "--epochs", 2, "--timeout", 5)
+    node1 = nodes(port, 1, "--epochs", 3, "--timeout", 5)
+    code, _, err = finish(node1, timeout=60)
+    assert code == 2 and err.strip().splitlines() == [
+        f"dual_mlp.py: error: refused by node 0 at 127.0.0.1:{port + 1}: node 0 runs other "
+        "options: --epochs 2 there, 3 here"]
+    code, _, err = finish(node0, timeout=60)  # its partner never came: one line
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "did not all meet" in err
+
+
+def test_a_taken_port_is_one_line(no_leftovers):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = dual("cpu", "cpu", "--nodes", 2, "--node-rank", 0, "--coordinator",
+                   f"127.0.0.1:{port}", timeout=60)
+        one_line(out, 2, f"cannot listen on 127.0.0.1:{port} (address already in use)")
+
+
+def test_a_diverging_run_stops_in_one_line_and_keeps_the_last_good_checkpoint(tmp_path,
+                                                                             no_leftovers):
+    ckpt = tmp_path / "m.npz"
+    out = dual("cpu", "cpu", "--epochs", 2, "--save", ckpt)
+    assert out.returncode == 0, out.stderr
+    out = dual("cpu", "cpu", "--epochs", 5, "--resume", ckpt, "--save", ckpt,
+               "--learning-rate", 1e6)
+    assert "notice: the learning rate changes from 0.13 to 1000000.0 at epoch 3" in out.stdout
+    one_line(out, 1, "the weights are no longer finite (NaN or inf): the training diverged",
+             "is --learning-rate 1e+06 too large?")
+    diverged = int(re.search(r"after epoch (\d+) the weights", out.stderr).group(1))
+    current, _, state = records.load_checkpoint(str(ckpt), SHAPES, records.TRAINING_STATE)
+    assert 2 <= state["epoch"] == diverged - 1 and all(np.isfinite(w).all() for w in current)
+
+
+def test_resuming_with_another_configuration_is_refused_naming_it(tmp_path, no_leftovers):
+    ckpt = tmp_path / "m.npz"
+    out = dual("cpu", "cpu", "--epochs", 1, "--save", ckpt)
+    assert out.returncode == 0, out.stderr
+    other = tmp_path / "other.pkl.gz"
+    (tx, ty), valid, test = datasets.read(datasets.SHIPPED)
+    datasets.write_pickle(((tx[::-1].copy(), ty[::-1].copy()), valid, test), str(other))
+    for args, words in [(["cpu", "cpu", "--batch-size", 50], "--batch-size 100 there, 50 here"),
+                        (["cpu", "cpu", "cpu"], "workers in all 2 there, 3 here"),
+                        (["cpu", "cpu", "--dataset", other, "--batch-size", 100],
+                         "data set (fingerprint)"),
+                        (["cpu", "cpu", "--l2", 0.01], "--l2 0.0001 there, 0.01 here")]:
+        one_line(dual(*args, "--epochs", 2, "--resume", ckpt, timeout=60), 2,
+                 f"{ckpt} was trained otherwise: {words}")
+
+
+def test_a_checkpoint_with_odd_entries_is_refused_in_one_line(tmp_path, no_leftovers):
+    good = [np.zeros(s, np.float32) for s in SHAPES]
+    nan = [w.copy() for w in good]
+    nan[0][0, 0] = np.nan
+    cases = [(dict(epoch=[1]), "epoch is a 1-d array"),
+             (dict(validation_errors=0.1), "validation_errors is a 0-d array"),
+             (dict(params=nan), "params_0 holds no finite weights")]
+    for change, words in cases:
+        state = dict(epoch=1, best_validation_error=0.1, test_error=0.1, validation_errors=[0.1])
+        params = change.pop("params", good)
+        state.update(change)
+        records.save_checkpoint(str(tmp_path / "odd.npz"), params, good, **state)
+        one_line(dual("cpu", "cpu", "--epochs", 3, "--resume", tmp_path / "odd.npz",
+                      timeout=60), 2, words)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                    reason="needs root and unshare, to give a run a small /dev/shm of its own")
+def test_a_small_dev_shm_moves_the_buffers_to_disk_with_a_notice(no_leftovers):
+    run = (f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} "
+           f"{ROOT / 'dual_mlp.py'} cpu cpu --epochs 1")
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", run],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, DUAL_MLP_TESTS=TOKEN))
+    if "mount" in out.stderr and out.returncode:
+        pytest.skip(f"no mount namespace here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr
+    assert "notice: /dev/shm has 1 MB free, the run needs" in out.stdout
+    assert "its buffers go to a folder on disk" in out.stdout
+
+
+def test_ctrl_c_under_the_xla_exchange_is_one_line(no_leftovers):
+    proc = start_dual("cpu", "cpu", "cpu", "--exchange", "xla", "--epochs", 1000)
+    wait_until_training(proc)
+    proc.send_signal(signal.SIGINT)
+    code, _, err = finish(proc, timeout=15)
+    assert code == 130 and err.strip().splitlines() == ["interrupted (SIGINT)"], err
+
+
+def test_the_fault_test_passes_beside_another_run_and_leaves_it_alone(tmp_path, no_leftovers):
+    """A demo of someone else's on the same machine: the tests neither count
+    its workers and folders nor touch them."""
+    other = start_dual("cpu", "cpu", "--epochs", 1000, mine=False)
+    try:
+        wait_until_training(other)
+        theirs = workers_of(other)
+        proc = start_dual("cpu", "cpu", "--epochs", 1000)
+        wait_until_training(proc)
+        kill_one_worker(proc, 1, "cpu")
+        assert other.poll() is None and all(w.is_running() for w in theirs)
+        assert not (set(theirs) & set(leftover_workers()))
+    finally:
+        other.send_signal(signal.SIGINT)
+        assert finish(other, timeout=15)[0] == 130
+    assert other.pid not in LAUNCHERS
