@@ -59,8 +59,8 @@ def start_dual(*args, env=None, cwd=ROOT, mine=True):
     as one of the tests' runs (else as a run of someone else's)."""
     env = environment(env) if mine else dict(os.environ, **(env or {}))
     proc = subprocess.Popen([sys.executable, str(ROOT / "dual_mlp.py"), *map(str, args)],
-                            cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+                            cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
     STARTED.append(proc)
     if mine:
         LAUNCHERS.add(proc.pid)
