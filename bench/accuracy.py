@@ -27,7 +27,7 @@ import os
 import sys
 import tempfile
 
-from common import RESULTS, ROOT, parse_args, record
+from common import RESULTS, ROOT, parse_args, pyplot, record
 from compare import K, ONE_GPU, STEPS_PER_CALL, run, summary_of
 
 sys.path.insert(0, ROOT)
@@ -95,9 +95,9 @@ def cpu_systems(opts, tmp):
 
 
 def plot(results, target, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(9, 5))
     for r in results:
         ax.plot([p["train_s"] for p in r["curve"]],
@@ -120,7 +120,8 @@ def table(document):
     lines = [f"Measured by `{document['command']}` on {document['date'][:10]}; "
              f"{document['global_batch']} examples per step, learning rate "
              f"{document['learning_rate']}, L2 {document['l2']}, {document['epochs']} epochs.", "",
-             f"| system | GPUs | batch per GPU | training seconds to {target:.1f} % "
+             f"| system | {'processes' if document.get('cpu') else 'GPUs'} | batch per "
+             f"{'worker' if document.get('cpu') else 'GPU'} | training seconds to {target:.1f} % "
              f"| epoch (steps) | test accuracy after {document['epochs']} epochs |",
              "| --- | --- | --- | --- | --- | --- |"]
     for s in document["systems"]:
@@ -150,7 +151,7 @@ def main():
     results = []
 
     def write(complete):  # after every system: a run cut short keeps what it measured
-        return record(name, opts.out, complete=complete, target=opts.target,
+        return record(name, opts.out, complete=complete, target=opts.target, cpu=opts.cpu,
                       dataset=opts.dataset, global_batch=GLOBAL_BATCH,
                       learning_rate=opts.learning_rate, l2=opts.l2, epochs=opts.epochs,
                       systems=results)

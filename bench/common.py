@@ -71,6 +71,35 @@ def dual_mlp(*args, json_path, env=None):
         return json.load(f)
 
 
+def pyplot():
+    """matplotlib's pyplot for a plot, or None, said in one line, where it
+    is not installed: the figures are in the JSON all the same."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"{os.path.basename(sys.argv[0])}: no plot: matplotlib is not installed "
+              "(pip install -r requirements-test.txt); the figures are in the JSON")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def rate_unit(figures):
+    """The unit for a table of samples/s: M where some reach a million (GPUs), else k."""
+    return "M" if max(f["samples_per_s"] for f in figures) >= 1e6 else "k"
+
+
+def rate(samples_per_s, unit):
+    """Samples/s in ``unit`` (M or k)."""
+    return f"{samples_per_s / 1e6:.2f} M" if unit == "M" else f"{samples_per_s / 1e3:.1f} k"
+
+
+def duration(us):
+    """Microseconds per step in the unit that fits: us, or ms past 10 ms."""
+    return f"{us / 1e3:.1f} ms" if us >= 10000 else f"{us:.0f} us"
+
+
 def write_block(name, text):
     """Put ``text`` between ``<!-- NAME: begin -->`` and ``<!-- NAME: end -->`` in
     README.md and bench/README.md, where they have such a block: the tables
@@ -81,10 +110,13 @@ def write_block(name, text):
             content = f.read()
         if begin not in content:
             continue
-        content = re.sub(re.escape(begin) + ".*?" + re.escape(end),
+        updated = re.sub(re.escape(begin) + ".*?" + re.escape(end),
                          lambda m: f"{begin}\n{text}\n{end}", content, flags=re.S)
+        if updated == content:
+            print(f"the {name} table in {os.path.relpath(doc, ROOT)} is unchanged")
+            continue
         with open(doc, "w") as f:
-            f.write(content)
+            f.write(updated)
         print(f"updated the {name} table in {os.path.relpath(doc, ROOT)}")
 
 

@@ -50,7 +50,8 @@ import time
 
 import numpy as np
 
-from common import RESULTS, ROOT, parse_args, record, refuse_busy_gpus, tables_from
+from common import (RESULTS, ROOT, duration, parse_args, pyplot, rate, rate_unit, record,
+                    refuse_busy_gpus, tables_from)
 
 sys.path.insert(0, ROOT)
 import datasets  # noqa: E402
@@ -272,9 +273,9 @@ def systems(figures):
 
 
 def plot(figures, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
     names = systems(figures)
     batches = sorted({f["batch"] for f in figures})
     by = {(f["system"], f["batch"]): f["samples_per_s"] / 1e6 for f in figures}
@@ -298,12 +299,16 @@ def table(document):
     figures = document["figures"]
     batches = sorted({f["batch"] for f in figures})
     by = {(f["system"], f["batch"]): f for f in figures}
+    cpu, unit = document.get("cpu", False), rate_unit(figures)
+    each = "worker" if cpu else "GPU"
     lines = [f"Measured by `{document['command']}` on {document['date'][:10]} "
-             f"({document['device']}); samples/s (us per step).", "",
-             "| system | devices | " + " | ".join(f"batch {b} per GPU" for b in batches) + " |",
+             f"({document['device']}); samples/s (time per step).", "",
+             f"| system | {'processes' if cpu else 'GPUs'} | "
+             + " | ".join(f"batch {b} per {each}" for b in batches) + " |",
              "| --- | --- | " + " | ".join("---" for _ in batches) + " |"]
     for system in systems(figures):
-        cells = [f"{by[system, b]['samples_per_s'] / 1e6:.2f} M ({by[system, b]['step_us']:.0f})"
+        cells = [f"{rate(by[system, b]['samples_per_s'], unit)} "
+                 f"({duration(by[system, b]['step_us'])})"
                  if (system, b) in by else "" for b in batches]
         gpus = next(f["gpus"] for f in figures if f["system"] == system)
         lines.append(f"| {system} | {gpus} | " + " | ".join(cells) + " |")
@@ -319,6 +324,11 @@ def table(document):
             f", {r['over_best_reference']:.3f}x the fastest reference ({r['best_reference']})")
         lines.append(f"\n{name}: {r['over_one_gpu']:.2f}x one GPU, {r['over_jax_mesh']:.3f}x "
                      f"JAX's own data parallelism{best}{bound}")
+    if cpu:
+        lines.append("\nOn the CPU the one process of mlp.py spreads each matrix product over "
+                     "every core, and the demo's workers get one core each: for a model this "
+                     "small, splitting a product costs more than it saves, so two one-core "
+                     "workers do more with two cores than one process with both.")
     return "\n".join(lines)
 
 
@@ -345,7 +355,8 @@ def main():
         except (ImportError, AttributeError):
             pass
     name = "compare_cpu" if args.cpu else "compare"
-    figures = Figures(name, args.out, device=device_name(args.cpu), dataset=args.dataset,
+    figures = Figures(name, args.out, device=device_name(args.cpu), cpu=args.cpu,
+                      dataset=args.dataset,
                       epoch_steps=args.epoch_steps, min_steps=args.steps, versions=versions)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -42,7 +42,7 @@ import tempfile
 
 import numpy as np
 
-from common import RESULTS, ROOT, parse_args, record, refuse_busy_gpus
+from common import RESULTS, ROOT, parse_args, pyplot, record, refuse_busy_gpus
 
 sys.path.insert(0, ROOT)  # first: `import exchange` is the project's module, not this script
 
@@ -361,8 +361,10 @@ def link_rates(rows, n):
 def allreduce_table(document):
     """The Markdown table of an exchange_allreduce.json."""
     timed = document["timed"]
-    head = (f"Measured by `{document['command']}` on {document['date'][:10]}: {document['workers']}"
-            f" workers on GPUs {' '.join(document['gpus'])}; microseconds per all-reduce, every "
+    n = document["workers"]
+    head = (f"Measured by `{document['command']}` on {document['date'][:10]}: {n} "
+            f"worker{'s' if n > 1 else ''} on GPU{'s' if len(set(document['gpus'])) > 1 else ''}"
+            f" {' '.join(document['gpus'])}; microseconds per all-reduce, every "
             "result checked" + ("" if timed else " (workers time-sliced on one GPU: correctness "
                                                  "only, the times are not a result)") + ".")
     lines = [head, "", "| bytes | the demo's exchange (one kernel) | NCCL all-reduce (AVG) |",
@@ -375,9 +377,9 @@ def allreduce_table(document):
 
 
 def plot(series, limit, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label, rows in series.items():
         ax.plot([r["bytes"] for r in rows], [r["gbps"] for r in rows], marker="o", label=label)

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from common import RESULTS, ROOT, parse_args, record
+from common import RESULTS, ROOT, parse_args, pyplot, rate, rate_unit, record
 from compare import Tiles, demo, reference
 
 sys.path.insert(0, ROOT)
@@ -85,7 +85,7 @@ def efficiency(figures):
 def table(document):
     """The Markdown table of a scaling.json: samples/s and efficiency by workers."""
     counts = document["workers"]
-    lines = [f"Measured by `{document['command']}` on {document['date'][:10]}; M samples/s "
+    lines = [f"Measured by `{document['command']}` on {document['date'][:10]}; samples/s "
              "(scaling efficiency); largest weight difference between replicas under "
              "`--check`: " + ", ".join(f"{diff} with {n} workers" for n, diff in
                                        document["max_replica_diff"].items()) + ".", "",
@@ -93,18 +93,19 @@ def table(document):
                  f"{n} worker{'s' if n > 1 else ''}" for n in counts) + " |",
              "| --- | --- |" + " --- |" * len(counts)]
     by = {(f["system"], f["batch"], f["workers"]): f for f in document["figures"]}
+    unit = rate_unit(document["figures"])
     for system, batch in dict.fromkeys((f["system"], f["batch"]) for f in document["figures"]):
         cells = [by.get((system, batch, n)) for n in counts]
         lines.append(f"| {system} | {batch} | " + " | ".join(
-            f"{f['samples_per_s'] / 1e6:.2f} M ({f['efficiency']:.2f})" if f else ""
+            f"{rate(f['samples_per_s'], unit)} ({f['efficiency']:.2f})" if f else ""
             for f in cells) + " |")
     return "\n".join(lines)
 
 
 def plot(figures, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(8, 5))
     for (system, batch) in dict.fromkeys((f["system"], f["batch"]) for f in figures):
         points = sorted((f["workers"], f["samples_per_s"] / 1e6) for f in figures

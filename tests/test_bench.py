@@ -178,8 +178,8 @@ def test_scaling_cpu_measures_one_to_three_workers_with_identical_replicas(tmp_p
     # the table: one row per system, a column per worker count, peer to peer from 2 on
     assert "| system | batch per worker | 1 worker | 2 workers | 3 workers |" in out.stdout
     two, three = seen["the demo, peer to peer", 2], seen["the demo, peer to peer", 3]
-    assert (f"| the demo, peer to peer | 100 |  | {two['samples_per_s'] / 1e6:.2f} M "
-            f"({two['efficiency']:.2f}) | {three['samples_per_s'] / 1e6:.2f} M "
+    assert (f"| the demo, peer to peer | 100 |  | {two['samples_per_s'] / 1e3:.1f} k "
+            f"({two['efficiency']:.2f}) | {three['samples_per_s'] / 1e3:.1f} k "
             f"({three['efficiency']:.2f}) |") in out.stdout
 
 
