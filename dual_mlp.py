@@ -11,29 +11,31 @@ of Guelph, 2014), on PyTensor, PyCUDA and pyzmq::
 This process is the launcher: it checks the request, starts one worker per
 device (this same file, with ``--worker``), watches them, and stops them all
 if one fails.  Worker k of N holds a full replica of the MLP and trains on the
-minibatches whose index is k modulo N.  Two workers, as in 2014
-(``--exchange p2p``), after every step of their own:
+minibatches whose index is k modulo N.  As in 2014 (``--exchange p2p``), after
+every step of their own, on one machine:
 
   1. train    one SGD step on its minibatch;
   2. publish  copy its weights into its send buffer, whose address never moves;
-  3. signal   "published", and wait until the peer has published too;
-  4. copy     copy the peer's send buffer into its own memory
-              (GPUs: a peer-to-peer copy of a CUDA IPC buffer; CPUs: host memory);
-  5. signal   "copied": the peer may overwrite its send buffer again;
-  6. average  set its weights to (mine + peer's) / 2.
+  3. signal   "published", and wait until every other worker has published too;
+  4. copy     read every send buffer (GPUs: peer-to-peer reads of CUDA IPC
+              buffers; CPUs: host memory);
+  5. signal   "copied": the others may overwrite their send buffers again;
+  6. average  set its weights to the mean of all, summed in rank order, so
+              that every replica gets the same bits.
 
 What changed since 2014 is who orders these steps (``--sync``):
 
   host   the host waits for its GPU after each phase, and the signals are
          zmq messages: the 2014 loop, and the only way on CPUs;
-  gpu    steps 2-5 are kernels on the GPU's own stream, inside the compiled
-         training step, and the signals are counters each GPU writes into the
-         other's memory (stream_exchange.py); step 6 opens the next step.  The
-         host only queues steps, so it runs ahead while the GPUs compute.
+  gpu    steps 2-6 are one kernel on the GPU's own stream, at the end of the
+         compiled training step, and the signals are counters each GPU writes
+         into the others' memory (stream_exchange.py).  The host only queues
+         calls of K steps (``--steps-per-call``), so it runs ahead while the
+         GPUs compute.
 
-More than two workers, or several machines, average with ``--exchange xla``:
-the compiled step ends in a ``pmean`` over all workers that JAX's distributed
-runtime runs (NCCL between GPUs, gloo between CPUs).
+Several machines, or more GPUs than two by default, average with
+``--exchange xla``: the compiled step ends in a ``pmean`` over all workers
+that JAX's distributed runtime runs (NCCL between GPUs, gloo between CPUs).
 
 Every replica then holds the same weights, and together they have taken one
 SGD step on a minibatch N times the size: the mean of N minibatch gradients
@@ -110,22 +112,26 @@ def parse_args(argv=None):
                         "/usr/share/datasets/fashion-mnist (default: ./mnist.pkl.gz if "
                         "present, else the 5,000 digits shipped in data/)")
     p.add_argument("--exchange", choices=("p2p", "xla"),
-                   help="how the replicas average: 'p2p' the 2014 exchange between two "
-                        "workers (PyCUDA peer-to-peer copies, or host memory on CPUs); 'xla' "
-                        "a pmean inside the compiled step, through JAX's distributed runtime "
-                        "(default: p2p for two workers, xla for more)")
+                   help="how the replicas average: 'p2p' the 2014 exchange among the workers "
+                        "of one machine (PyCUDA peer-to-peer copies, or host memory on CPUs); "
+                        "'xla' a pmean inside the compiled step, through JAX's distributed "
+                        "runtime (default: p2p for two workers and for CPUs, xla for more "
+                        "GPUs and for several machines)")
     p.add_argument("--sync", choices=("gpu", "host"),
                    help="p2p: who orders the exchange; 'gpu' the GPUs, on their streams, "
                         "the host never waiting within a step; 'host' the 2014 loop, the host "
-                        "waiting for each phase (default: gpu on two GPUs, host on CPUs)")
+                        "waiting for each phase (default: gpu on GPUs, host on CPUs; "
+                        "workers sharing a GPU run it only when asked, time-sliced)")
     p.add_argument("--avg", choices=("theano", "pycuda", "cpu"),
                    help="--sync host: how to average; 'theano' a compiled PyTensor function "
                         "(the default, as in 2014); 'pycuda' in place on the buffers (a CUDA "
                         "kernel on GPUs, NumPy on the CPU); 'cpu' through host memory")
     p.add_argument("--save", metavar="PATH", type=cli.writable,
                    help="checkpoint (.npz) written after every epoch, atomically: current "
-                        "and best-validation weights, training state")
-    p.add_argument("--resume", metavar="PATH", help="continue from a --save checkpoint")
+                        "and best-validation weights, training state and configuration; the "
+                        "run holds it, and a second run asking for it is refused")
+    p.add_argument("--resume", metavar="PATH", help="continue from a --save checkpoint, with "
+                   "the options it was trained with (--save may name the same file)")
     p.add_argument("--json", metavar="PATH", type=cli.writable,
                    help="write a summary of the run as JSON")
     p.add_argument("--check", action="store_true", help="after every step, measure how far "

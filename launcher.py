@@ -431,6 +431,11 @@ class Worker:
                 sys.stderr.write(line)
             self.tail.append(line.rstrip())
 
+    def said_why(self):
+        """Did it end with one of our own one-line errors?"""
+        self.pump.join(timeout=2)
+        return any(line.startswith(f"worker {self.rank}: error: ") for line in self.tail)
+
     def cause(self):
         """The line of its error output that says what went wrong, how it
         ended, and before them its traceback where it failed unexpectedly."""
@@ -494,11 +499,12 @@ def launch(args, script, rundir):
             codes = [w.proc.poll() for w in workers]
             if all(code == 0 for code in codes):
                 return 0
-            # a worker killed by a signal first: the others' errors may only follow from it
-            failed = sorted((w for w, code in zip(workers, codes) if code not in (None, 0)),
-                            key=lambda w: w.proc.returncode > 0)
+            failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
             if failed:
                 stop(workers)
+                # the cause first: a worker killed by a signal, then one that said what went
+                # wrong in our own words; the others' errors may only follow from theirs
+                failed.sort(key=lambda w: (w.proc.returncode > 0, not w.said_why()))
                 if any(w.proc.returncode == -signal.SIGPIPE for w in failed):
                     return 128 + signal.SIGPIPE  # stdout was closed: end as quietly
                 if all(w.proc.returncode in (130, 143) for w in failed):
@@ -613,6 +619,16 @@ class Watchdog:
                 pass  # on another machine
         return late
 
+    def wait_for_the_late(self):
+        """The other workers whose heartbeat has stopped; a worker stopped
+        within the last second does not show yet, so look for a second more."""
+        for _ in range(12):
+            late = [r for r in self.stalled() if r != self.rank]
+            if late:
+                return late
+            time.sleep(0.1)
+        return []
+
     def _watch(self):
         stop_seen = None
         beat = self.heartbeat_path(self.rank)
@@ -632,7 +648,7 @@ class Watchdog:
                 if now - stop_seen > 1.0:
                     quit_now(128 + stopping.signum)
             elif self.armed and now - self.last > self.timeout:
-                late = [r for r in self.stalled() if r != self.rank]
+                late = self.wait_for_the_late()
                 who = (f"worker {', '.join(map(str, late))} stopped running" if late
                        else "another worker stalled")
                 print(f"worker {self.rank}: error: no step finished within {self.timeout:g} s: "

@@ -186,29 +186,32 @@ def refuse(rows, limit, what):
                      f"link's {limit:.0f} GB/s: a timing error, not a result")
 
 
+def together(commands, timeout, what):
+    """Run ``commands`` ([(argv, the GPUs it sees)]) at once, to the end; each
+    prints its figures as JSON on its last line, which this returns."""
+    procs = [subprocess.Popen(argv, env=dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpus)),
+                              stdout=subprocess.PIPE, text=True) for argv, gpus in commands]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    if any(p.returncode for p in procs):
+        sys.exit(f"exchange.py: error: {what} failed (exits {[p.returncode for p in procs]})")
+    return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+
+
 def run_workers(args):
     """The two-process sweep and the one-process sweep, each in its own processes."""
     me = [sys.executable, os.path.abspath(__file__), "--max-mb", str(args.max_mb),
           "--timeout", str(args.timeout)]
-    gpu_env = lambda gpus: dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpus))  # noqa: E731
     with tempfile.TemporaryDirectory() as rundir:
-        procs = [subprocess.Popen(me + ["--role", role, "--rundir", rundir],
-                                  env=gpu_env([gpu]), stdout=subprocess.PIPE, text=True)
-                 for role, gpu in (("owner", args.gpus[0]), ("reader", args.gpus[1]))]
-        try:
-            outs = [p.communicate(timeout=args.timeout + 60)[0] for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-        if any(p.returncode for p in procs):
-            sys.exit(f"exchange.py: error: a copy process failed (exits "
-                     f"{[p.returncode for p in procs]})")
-    two = json.loads(outs[1].strip().splitlines()[-1])
-    out = subprocess.run(me + ["--role", "single"], env=gpu_env(args.gpus), stdout=subprocess.PIPE,
-                         text=True, timeout=args.timeout + 60)
-    if out.returncode:
-        sys.exit(f"exchange.py: error: the one-process copy failed (exit {out.returncode})")
-    return two, json.loads(out.stdout.strip().splitlines()[-1])
+        two = together([(me + ["--role", role, "--rundir", rundir], [gpu])
+                        for role, gpu in (("owner", args.gpus[0]), ("reader", args.gpus[1]))],
+                       args.timeout + 60, "a copy process")[1]
+    (one,) = together([(me + ["--role", "single"], args.gpus)], args.timeout + 60,
+                      "the one-process copy")
+    return two, one
 
 
 # -----------------------------------------------------------------------------
@@ -315,21 +318,11 @@ def run_allreduce(args):
     n, shared = len(gpus), len(set(gpus)) < len(gpus)
     me = [sys.executable, os.path.abspath(__file__), "--max-mb", str(args.max_mb),
           "--timeout", str(args.timeout), "--workers", str(n)]
-    env = lambda gpu: dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)  # noqa: E731
 
     def sweep_of(role, extra):
-        procs = [subprocess.Popen(me + ["--role", role, "--rank", str(k)] + extra,
-                                  env=env(gpu), stdout=subprocess.PIPE, text=True)
-                 for k, gpu in enumerate(gpus)]
-        try:
-            outs = [p.communicate(timeout=args.timeout + 120)[0] for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-        if any(p.returncode for p in procs):
-            sys.exit(f"exchange.py: error: an --allreduce {role} failed (exits "
-                     f"{[p.returncode for p in procs]})")
-        return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+        return together([(me + ["--role", role, "--rank", str(k)] + extra, [gpu])
+                         for k, gpu in enumerate(gpus)], args.timeout + 120,
+                        f"an --allreduce {role}")
 
     with tempfile.TemporaryDirectory() as rundir:
         ours = sweep_of("exchange-worker", ["--rundir", rundir] + ([] if shared else ["--timed"]))

@@ -1,4 +1,5 @@
 """The tutorial's model, in-process: gradients, and both PyTensor backends."""
+import contextlib
 import types
 
 import theano_flags  # first, as in the scripts: it sets PyTensor's flags before PyTensor starts
@@ -102,27 +103,33 @@ def test_theano_flags_are_mapped_onto_pytensor_flags():
     assert pytensor.config.floatX == "float32"
 
 
+@contextlib.contextmanager
+def jax_compiles():
+    """The messages JAX logs while the block runs (a compile says "Compiling")."""
+    import logging
+
+    import jax
+    messages, handler = [], logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("jax").addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            yield messages
+    finally:
+        logging.getLogger("jax").removeHandler(handler)
+
+
 def test_after_the_warm_up_the_jax_step_does_not_compile_again():
     """Warmed up on NumPy weights and then handed device arrays, JAX compiled
     the step a second time inside the timed loop (seen on the H200s: 0.7 s
     per run, a one-GPU figure eight times too slow)."""
-    import logging
-
-    import jax
     from devices import JaxDevice
     device = JaxDevice()
     model = mlp.Model(load_data(datasets.SHIPPED, put=device.put), 20, mode="JAX")
     model.warm_up(put=device.put)
-    compiled = []
-    handler = logging.Handler()
-    handler.emit = lambda record: compiled.append(record.getMessage())
-    logging.getLogger("jax").addHandler(handler)
-    try:
-        with jax.log_compiles(True):
-            for i in range(5):
-                model.train_model(i)
-    finally:
-        logging.getLogger("jax").removeHandler(handler)
+    with jax_compiles() as compiled:
+        for i in range(5):
+            model.train_model(i)
     assert not [m for m in compiled if "Compiling" in m], compiled
 
 
@@ -185,8 +192,6 @@ def test_gpu_ordered_programs_are_compiled_before_the_first_epoch(monkeypatch):
     compiled-ahead program with a callback in it does not get: the first
     epoch must find them compiled.  The exchange here is a host callback
     that counts its calls, as the kernels' counter does: once a step."""
-    import logging
-
     import jax
     from jax.experimental.buffer_callback import buffer_callback
 
@@ -217,14 +222,7 @@ def test_gpu_ordered_programs_are_compiled_before_the_first_epoch(monkeypatch):
     no_peer = types.SimpleNamespace(gather=None, barrier=lambda: None)
     trainer = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, watchdog=None,
                                   steps_per_call=4)
-    compiled = []
-    handler = logging.Handler()
-    handler.emit = lambda record: compiled.append(record.getMessage())
-    logging.getLogger("jax").addHandler(handler)
-    try:
-        with jax.log_compiles(True):
-            trainer.epoch(30)  # calls of 4, and the 2 left at the end
-    finally:
-        logging.getLogger("jax").removeHandler(handler)
+    with jax_compiles() as compiled:
+        trainer.epoch(30)  # calls of 4, and the 2 left at the end
     assert not [m for m in compiled if "Compiling" in m], compiled
     assert trainer.exchange.steps_done() == trainer.steps == 30
