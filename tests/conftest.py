@@ -146,6 +146,14 @@ def wait_until_training(proc, timeout=120):
     raise AssertionError(f"run ended before training: {proc.stderr.read()}")
 
 
+def start_checkpointing(ckpt, *args):
+    """A long run that keeps ``--save ckpt``, once it has written a first checkpoint."""
+    proc = start_dual(*args, "--save", ckpt)
+    wait_until_training(proc)
+    wait_for(ckpt.exists, 60, "a first checkpoint")
+    return proc
+
+
 def finish(proc, timeout):
     """Wait for the launcher; returns (exit code, seconds it took, stderr)."""
     start = time.monotonic()

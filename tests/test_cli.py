@@ -15,8 +15,8 @@ import pytest
 import cli
 import mlp
 import records
-from conftest import (LAUNCHERS, SHAPES, ROOT, dual, environment, finish, script, start_dual,
-                      wait_for, wait_until_training)
+from conftest import (LAUNCHERS, SHAPES, ROOT, dual, environment, finish, script,
+                      start_checkpointing)
 
 
 @contextlib.contextmanager
@@ -145,9 +145,7 @@ def test_a_batch_larger_than_the_data_is_refused_by_the_tutorial_scripts():
 def test_sigterm_to_the_launcher_stops_all_in_one_line_and_keeps_the_checkpoint(tmp_path,
                                                                                no_leftovers):
     ckpt = tmp_path / "m.npz"
-    proc = start_dual("cpu", "cpu", "--epochs", 1000, "--save", ckpt)
-    wait_until_training(proc)
-    wait_for(ckpt.exists, 60, "a first checkpoint")
+    proc = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000)
     proc.send_signal(signal.SIGTERM)
     code, took, err = finish(proc, timeout=10)
     assert code == 143 and took < 5

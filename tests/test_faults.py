@@ -11,7 +11,8 @@ import pytest
 import datasets
 import records
 from conftest import (SHAPES, corrupt_cases, dual, finish, kill_one_worker, run_directories,
-                      start_dual, wait_for, wait_until_training, workers_of)
+                      start_checkpointing, start_dual, wait_for, wait_until_training,
+                      workers_of)
 from launcher import usable_gpus
 
 
@@ -50,9 +51,7 @@ def test_a_stalled_peer_is_reported_after_the_timeout(no_leftovers):
 @pytest.mark.parametrize("target", ["group", "launcher"])
 def test_ctrl_c_stops_everything_and_keeps_the_checkpoint(tmp_path, no_leftovers, target):
     ckpt = tmp_path / "m.npz"
-    proc = start_dual("cpu", "cpu", "--epochs", 1000, "--save", ckpt)
-    wait_until_training(proc)
-    wait_for(ckpt.exists, 60, "a first checkpoint")
+    proc = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000)
     time.sleep(0.3)
     if target == "group":
         os.killpg(proc.pid, signal.SIGINT)

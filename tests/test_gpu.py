@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import records
-from conftest import (FASHION, ROOT, SHAPES, dual, finish, kill_one_worker, start_dual, wait_for,
-                      wait_until_training, workers_of)
+from conftest import (FASHION, ROOT, SHAPES, dual, finish, kill_one_worker, start_checkpointing,
+                      start_dual, wait_until_training, workers_of)
 from launcher import usable_gpus, worker_environment
 
 N_GPUS = usable_gpus()[0]
@@ -224,9 +224,7 @@ def test_gpu_ordered_run_killed_or_stalled_or_interrupted_stops(tmp_path, no_lef
     print(f"{sync}: a stalled worker reported after {took:.2f} s: {err.splitlines()[-1]}")
 
     ckpt = tmp_path / "m.npz"
-    proc = start_dual(*devices, *args, "--epochs", 100000, "--batch-size", 100, "--save", ckpt)
-    wait_until_training(proc)
-    wait_for(ckpt.exists, 60, "a first checkpoint")
+    proc = start_checkpointing(ckpt, *devices, *args, "--epochs", 100000, "--batch-size", 100)
     os.killpg(proc.pid, signal.SIGINT)
     code, took, err = finish(proc, timeout=10)
     assert code == 130 and f"last checkpoint kept in {ckpt}" in err and "Traceback" not in err

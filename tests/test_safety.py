@@ -18,8 +18,8 @@ import pytest
 import datasets
 import records
 from conftest import (LAUNCHERS, ROOT, SHAPES, TOKEN, dual, finish, kill_one_worker,
-                      leftover_workers, run_directories, script, start_dual, wait_for,
-                      wait_until_training, workers_of)
+                      leftover_workers, run_directories, script, start_checkpointing,
+                      start_dual, wait_for, wait_until_training, workers_of)
 
 
 def one_line(out, code, *words):
@@ -70,9 +70,7 @@ def test_an_output_never_overwrites_an_input_or_another_output(tmp_path, no_left
 def test_a_second_run_on_a_held_checkpoint_is_refused_and_touches_nothing(tmp_path,
                                                                           no_leftovers):
     ckpt = tmp_path / "m.npz"
-    live = start_dual("cpu", "cpu", "--epochs", 1000, "--save", ckpt)
-    wait_until_training(live)
-    wait_for(ckpt.exists, 60, "a first checkpoint")
+    live = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000)
     writing = tmp_path / ".m.npz.live-run.tmp"  # as the live run's write in progress
     writing.write_bytes(b"half a checkpoint")
     for name in ("dual_mlp.py", "mlp.py"):
