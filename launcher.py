@@ -677,15 +677,18 @@ def die_with_parent():
         pass
 
 
-RUN_FOLDER = None  # this worker's run folder, which every way out removes
+RUN_FOLDER = None  # this worker's run folder, and its launcher's pid
+LAUNCHER = None
 
 
 def quit_now(code):
     """Exit without Python's clean-up: a GPU may wait for ever on a peer that
     is gone, and freeing its memory, or JAX's own exit, would wait with it.
-    The run folder goes first (the launcher, if it is still there, stops
-    the others, which have their files open)."""
-    if RUN_FOLDER:
+    Told to stop, or orphaned, it removes the run folder first: the launcher
+    may be gone, and the others, stopping too, have their files open.  Else
+    the launcher is there to stop the others and remove it (the others may
+    still be opening their sockets in it)."""
+    if RUN_FOLDER and (stopping.is_set() or os.getppid() != LAUNCHER):
         shutil.rmtree(RUN_FOLDER, ignore_errors=True)
     release_stdout()
     sys.stderr.flush()
@@ -730,7 +733,7 @@ def run_worker(work, index, rundir, one_line_errors):
     rundir, watchdog)`` with the request the launcher left in ``rundir``.  An
     error of ``one_line_errors`` is said in one line, any other with its
     traceback."""
-    global RUN_FOLDER
+    global RUN_FOLDER, LAUNCHER
     RUN_FOLDER = rundir
     die_with_parent()
     try:
@@ -738,7 +741,8 @@ def run_worker(work, index, rundir, one_line_errors):
             args = types.SimpleNamespace(**json.load(f))
     except OSError:  # the launcher is gone, and its folder with it
         return quit_now(128 + signal.SIGTERM)
-    if os.getppid() != args.launcher_pid:  # it died before it could ask Linux to end us
+    LAUNCHER = args.launcher_pid
+    if os.getppid() != LAUNCHER:  # it died before it could ask Linux to end us
         return quit_now(128 + signal.SIGTERM)
     cli.install_stop_handler(request_stop)
     rank, world = args.node_rank * len(args.devices) + index, args.nodes * len(args.devices)
@@ -747,6 +751,8 @@ def run_worker(work, index, rundir, one_line_errors):
     code = 0
     try:
         work(args, rank, world, args.devices[index], rundir, watchdog)
+    except SystemExit as e:  # it said its last word itself (a summary it could not write)
+        code = e.code or 0
     except Exception as e:
         if stopping.is_set():  # asked to stop: what broke on the way out is no news
             code = 128 + stopping.signum
