@@ -21,7 +21,9 @@ The kernel, ``exchange``, is the one-shot all-reduce of vLLM's
 ``custom_all_reduce.cuh`` with the 2014 demo's steps inside.  Every GPU runs
 it with the same grid, and block b of every GPU handles the same elements,
 so block b waits only for the blocks b of the others (per-block flags, no
-barrier across a GPU's own blocks).  Thread w of a block speaks for worker
+barrier across a GPU's own blocks).  A thread moves 16 bytes at a time and,
+at the MLP's size, one such chunk a phase: each phase costs one memory
+round trip, not one per element.  Thread w of a block speaks for worker
 w: it writes this block's flag into worker w's memory and waits on worker
 w's flag in ours, all N at once.  For step t, block b::
 
@@ -33,8 +35,8 @@ w's flag in ours, all N at once.  For step t, block b::
     reduce   weights = (send_0[t % 2] + ... + send_N-1[t % 2]) / N, summed in
              rank order on every GPU, so the replicas stay bit-identical
              (N - 1 of the N reads over NVLink)
-    copied   reduced[b][rank] = t in every worker's flags (a release store);
-             the last block to finish writes t into ``done``, in host memory
+    copied   reduced[b][rank] = t in every worker's flags (a plain store);
+             done[b] = t, in host memory
 
 Why nothing can deadlock or be overwritten while read: a worker one step
 ahead (t+1) publishes into the other slot, send[(t+1) % 2], which nobody
@@ -45,14 +47,19 @@ order, as in vLLM's kernels: the block's ``__syncthreads()``, then a store
 with release semantics at system scope, make ``publish``'s stores visible to
 every GPU before the flag that says they are there; the waiting side reads
 the flag with acquire semantics, then ``__syncthreads()``, before it reads
-the data; and ``reduce``'s reads are complete (their values written) before
-``copied``'s release store gives the buffer back.
+the data.  Only that one flag needs the fence (a system-wide memory barrier,
+the dearest instruction here): ``copied`` and ``begin`` order no data the
+kernel wrote for another GPU.  ``reduce``'s reads are complete before
+``copied``'s plain (volatile) store, because their values have been stored
+before the ``__syncthreads()`` that precedes it, and a store that follows
+``begin``'s spin cannot be made before the spin has seen its value: vLLM's
+end barrier relies on the same.
 
 The kernel's arguments never change (the step number lives in GPU memory),
 so XLA captures its launch into a CUDA graph once and replays it
 (``command_buffer_compatible``): the Python callback below runs at capture
 only.  ``callbacks`` counts how often it ran.  The host learns how far the
-GPU has got from ``done``, so that the step needs no output of its own to be
+GPU has got from ``done`` (the least of the blocks' counts), so that the step needs no output of its own to be
 waited on (a fresh output buffer every step would make XLA update its
 recorded step every step, which costs the host more than the step).
 
@@ -77,37 +84,52 @@ import ctypes
 import numpy as np
 
 MAX_WORKERS, MAX_SEGMENTS = 8, 8
-GRID, BLOCK = 128, 512  # the same on every GPU: block b handles the same elements everywhere
+GRID, BLOCK = 128, 1024  # the same on every GPU: block b handles the same elements everywhere
+WIDTH = 4                # floats a thread moves at once (one 16-byte load or store)
 
 
 class Segments(ctypes.Structure):
-    """``struct Segments`` of ``KERNELS``: the weights' buffers and where each ends."""
+    """``struct Segments`` of ``KERNELS``: the weights' buffers, where each
+    starts in the flat layout, and how they are cut into chunks."""
     _fields_ = [("data", ctypes.c_void_p * MAX_SEGMENTS),
-                ("end", ctypes.c_longlong * MAX_SEGMENTS), ("count", ctypes.c_int)]
+                ("start", ctypes.c_longlong * MAX_SEGMENTS),
+                ("length", ctypes.c_longlong * MAX_SEGMENTS),
+                ("width", ctypes.c_int * MAX_SEGMENTS),
+                ("chunks_end", ctypes.c_longlong * MAX_SEGMENTS), ("count", ctypes.c_int)]
 
     @classmethod
     def of(cls, buffers):
-        """From [(device address, number of floats)] in the layout's order."""
+        """From [(device address, number of floats)] in the layout's order.
+        The chunks depend on the layout only, never on an address, so that
+        block b of every GPU handles the same elements."""
         segments = cls(count=len(buffers))
-        end = 0
+        start = chunks = 0
         for i, (address, n) in enumerate(buffers):
-            end += n
-            segments.data[i], segments.end[i] = address, end
+            width = WIDTH if start % WIDTH == 0 else 1  # a 16-byte chunk must start on 16 bytes
+            chunks += -(-n // width)
+            segments.data[i], segments.start[i], segments.length[i] = address, start, n
+            segments.width[i], segments.chunks_end[i] = width, chunks
+            start += n
         return segments
+
+
+def slot_floats(n):
+    """Floats in one send slot: the weights, rounded up to 128 bytes so that
+    both slots start aligned."""
+    return -(-n // 32) * 32
 
 KERNELS = r"""
 #define MAX_WORKERS %(max_workers)d
 #define MAX_SEGMENTS %(max_segments)d
 #define GRID %(grid)d
+#define BLOCK %(block)d
 
-extern "C" {
 // One worker's counters, in its GPU's memory; the other workers write
 // published and reduced, over NVLink, block by block.
 struct Flags {
     int step[GRID];                          // the steps block b has begun here
     int published[GRID][MAX_WORKERS];        // [b][w]: the last step worker w's block b published
     int reduced[GRID][MAX_WORKERS];          // [b][w]: the last step worker w's block b reduced
-    unsigned finished;                       // blocks that have finished a step, all steps
 };
 
 // Every worker's buffers, as this GPU addresses them (its own included):
@@ -118,17 +140,31 @@ struct Peers {
 };
 
 // The weights the step trains, as XLA holds them: one buffer per parameter,
-// in the layout's order, so that the flat index i (as in the send buffers)
-// lives in the first segment whose end is past it.  Passed by value.
+// in the layout's order.  Each is cut into chunks of ``width`` floats (4, or
+// 1 where the segment does not start on 16 bytes of the flat layout; its
+// last chunk may be short), numbered across the segments: thread q of the
+// grid moves chunks q, q + GRID * BLOCK, ...  Passed by value.
 struct Segments {
     float *data[MAX_SEGMENTS];
-    long long end[MAX_SEGMENTS];
+    long long start[MAX_SEGMENTS];           // where it begins in the flat layout (send slots)
+    long long length[MAX_SEGMENTS];
+    int width[MAX_SEGMENTS];
+    long long chunks_end[MAX_SEGMENTS];      // chunks in this segment and all before it
+    int count;
+};
+
+// Up to four consecutive floats of one parameter: what a thread moves at once.
+struct Chunk {
+    float *weights;                          // in XLA's buffer
+    long long flat;                          // the same floats' index in a send slot
     int count;
 };
 
 __device__ Flags flags_size;  // never used: its size, read at load, sizes the allocation
 __device__ Peers peers_size;  // likewise
 
+// An acquire load at system scope: what the GPU that stored the value wrote
+// before its release is visible to this thread's later reads.
 __device__ int load_acquire(const int *p) {
     int v;
     asm volatile("ld.acquire.sys.global.b32 %%0, [%%1];" : "=r"(v) : "l"(p) : "memory");
@@ -137,9 +173,13 @@ __device__ int load_acquire(const int *p) {
 
 // A release store at system scope: what this block wrote before the
 // __syncthreads() that precedes it is visible to any GPU that sees the value.
+// Its fence waits until the block's stores have reached every GPU: ~1 us.
 __device__ void store_release(int *p, int v) {
     asm volatile("st.release.sys.global.b32 [%%0], %%1;" :: "l"(p), "r"(v) : "memory");
 }
+
+// The same without the fence, for flags that order no data: one store.
+__device__ void store_plain(volatile int *p, int v) { *p = v; }
 
 // Thread w < N waits until worker w's counter here reaches t: a spin on this
 // GPU's own memory, ~1 us once the other's store has crossed NVLink.
@@ -147,33 +187,71 @@ __device__ void wait_for(const int *counter, int t) {
     while (load_acquire(counter) < t) __nanosleep(32);
 }
 
-// Element i of the flat weights: a thread's i only grows, so its segment only moves on.
-__device__ float *element(const Segments &w, int &s, long long i) {
-    while (i >= w.end[s]) ++s;
-    return w.data[s] + (i - (s ? w.end[s - 1] : 0));
+// The same without acquiring: what follows it writes, and reads nothing of the others'.
+__device__ void wait_plain(const volatile int *counter, int t) {
+    while (*counter < t) __nanosleep(32);
 }
 
-__global__ void __launch_bounds__(%(block)d)
-exchange(const Peers *peers, int rank, int n_workers, const Segments weights, unsigned *done) {
+// Chunk q: a thread's q only grows, so its segment s only moves on.
+__device__ Chunk chunk(const Segments &w, int &s, long long q) {
+    while (q >= w.chunks_end[s]) ++s;
+    const long long offset = (q - (s ? w.chunks_end[s - 1] : 0)) * w.width[s];
+    return {w.data[s] + offset, w.start[s] + offset,
+            (int)min((long long)w.width[s], w.length[s] - offset)};
+}
+
+// A chunk in one 16-byte access where it can be, float by float where it
+// cannot (a short chunk, or an XLA buffer not on 16 bytes).
+__device__ bool whole(const float *p, int count) {
+    return count == 4 && ((unsigned long long)p & 15) == 0;
+}
+
+__device__ float4 load(const float *p, int count) {
+    if (whole(p, count)) return *(const float4 *)p;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) if (k < count) v[k] = p[k];
+    return make_float4(v[0], v[1], v[2], v[3]);
+}
+
+__device__ void store(float *p, float4 v, int count) {
+    if (whole(p, count)) { *(float4 *)p = v; return; }
+    const float f[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) if (k < count) p[k] = f[k];
+}
+
+__device__ float4 operator+(float4 a, float4 b) {
+    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+__device__ float4 operator/(float4 a, float n) {
+    return make_float4(a.x / n, a.y / n, a.z / n, a.w / n);
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK)
+exchange(const Peers *peers, int rank, int n_workers, const Segments weights,
+         long long slot_floats, volatile unsigned *done) {
     const int b = blockIdx.x, me = threadIdx.x;  // threads me < N: one each for worker me
     Flags *mine = peers->flags[rank];
     __shared__ int t;
     __shared__ const float *send[MAX_WORKERS];
-    if (me == 0) {                                                // begin
-        t = mine->step[b] + 1;
-        mine->step[b] = t;
+    if (me < n_workers) {                                         // begin: step t, and
+        const int step = mine->step[b] + 1;                       // send[t %% 2] is free
+        send[me] = peers->send[me];
+        wait_plain(&mine->reduced[b][me], step - 2);
+        if (me == 0) t = step;
     }
-    if (me < n_workers) send[me] = peers->send[me];
     __syncthreads();
-    if (me < n_workers) wait_for(&mine->reduced[b][me], t - 2);   // send[t %% 2] is free
-    __syncthreads();
-    const long long n = weights.end[weights.count - 1], slot = (t & 1) * n,
-                    first = b * (long long)blockDim.x + me,
-                    stride = (long long)gridDim.x * blockDim.x;
+    if (me == 0) mine->step[b] = t;                               // every waiter has read it
+    const long long chunks = weights.chunks_end[weights.count - 1], slot = (t & 1) * slot_floats,
+                    first = b * (long long)BLOCK + me, stride = (long long)GRID * BLOCK;
     float *published = peers->send[rank] + slot;
     int s = 0;
-    for (long long i = first; i < n; i += stride)                 // publish
-        published[i] = *element(weights, s, i);
+    for (long long q = first; q < chunks; q += stride) {          // publish
+        const Chunk c = chunk(weights, s, q);
+        store(published + c.flat, load(c.weights, c.count), c.count);
+    }
     __syncthreads();
     if (me < n_workers) {                                         // signal: "published t",
         store_release(&peers->flags[me]->published[b][rank], t);  // a 4-byte NVLink store
@@ -181,17 +259,18 @@ exchange(const Peers *peers, int rank, int n_workers, const Segments weights, un
     }
     __syncthreads();
     s = 0;
-    for (long long i = first; i < n; i += stride) {               // reduce, in rank order
-        float sum = send[0][slot + i];
-        for (int w = 1; w < n_workers; ++w) sum += send[w][slot + i];
-        *element(weights, s, i) = sum / n_workers;
+    for (long long q = first; q < chunks; q += stride) {          // reduce, in rank order
+        const Chunk c = chunk(weights, s, q);
+        float4 sum = load(send[0] + slot + c.flat, c.count);
+#pragma unroll
+        for (int w = 1; w < MAX_WORKERS; ++w)                     // N - 1 loads in flight at once
+            if (w < n_workers) sum = sum + load(send[w] + slot + c.flat, c.count);
+        store(c.weights, sum / (float)n_workers, c.count);
     }
     __syncthreads();
     if (me < n_workers)                                           // copied: "reduced t"
-        store_release(&peers->flags[me]->reduced[b][rank], t);
-    if (me == 0 && atomicAdd(&mine->finished, 1u) == (unsigned)t * gridDim.x - 1)
-        *(volatile unsigned *)done = t;                           // the last block: host memory
-}
+        store_plain(&peers->flags[me]->reduced[b][rank], t);
+    if (me == 0) done[b] = t;                                     // host memory, over PCIe
 }
 """
 
@@ -219,17 +298,18 @@ class StreamExchange:
         major, minor = drv.Device(0).compute_capability()
         source = KERNELS % dict(max_workers=MAX_WORKERS, max_segments=MAX_SEGMENTS, grid=GRID,
                                 block=BLOCK)
-        cubin = compile_cuda(source, nvcc=nvcc(), arch=f"sm_{major}{minor}")
+        cubin = compile_cuda(source, nvcc=nvcc(), arch=f"sm_{major}{minor}", no_extern_c=True)
         self._image = np.frombuffer(cubin, np.uint8)  # must outlive the module
         self._module = self._check(cu.cuModuleLoadData(self._image.ctypes.data))
         self._kernel = self._check(cu.cuModuleGetFunction(self._module, b"exchange"))
         sizes = {name: self._check(cu.cuModuleGetGlobal(self._module, name))[1]
                  for name in (b"flags_size", b"peers_size")}
-        self.send = drv.mem_alloc(2 * layout.nbytes)
+        self.slot = slot_floats(layout.size)
+        self.send = drv.mem_alloc(2 * self.slot * layout.dtype.itemsize)
         self.flags = drv.mem_alloc(sizes[b"flags_size"])
         drv.memset_d8(self.flags, 0, sizes[b"flags_size"])
         self.peers = drv.mem_alloc(sizes[b"peers_size"])
-        self.done = drv.pagelocked_zeros(1, np.uint32, mem_flags=drv.host_alloc_flags.DEVICEMAP)
+        self.done = drv.pagelocked_zeros(GRID, np.uint32, mem_flags=drv.host_alloc_flags.DEVICEMAP)
         self._opened = ()  # the others' buffers, opened by IPC
         self.callbacks = 0
 
@@ -241,7 +321,7 @@ class StreamExchange:
 
     def steps_done(self):
         """The last step whose exchange this GPU has finished."""
-        return int(self.done[0])
+        return int(self.done.min())
 
     def handle(self):
         return self.drv.mem_get_ipc_handle(self.send), self.drv.mem_get_ipc_handle(self.flags)
@@ -285,7 +365,7 @@ class StreamExchange:
         """Enqueue the kernel on ``stream`` (a raw handle) for the weights in
         ``buffers``, [(device address, number of floats)], at most the layout's."""
         args = [ctypes.c_void_p(int(self.peers)), ctypes.c_int(self.rank),
-                ctypes.c_int(self.n_workers), Segments.of(buffers),
+                ctypes.c_int(self.n_workers), Segments.of(buffers), ctypes.c_longlong(self.slot),
                 ctypes.c_void_p(int(self.done.base.get_device_pointer()))]
         pointers = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         self._check(self.cu.cuLaunchKernel(self._kernel, GRID, 1, 1, BLOCK, 1, 1, 0,

@@ -1,5 +1,7 @@
 """The tutorial's model, in-process: gradients, and both PyTensor backends."""
 import contextlib
+import shutil
+import subprocess
 import types
 
 import theano_flags  # first, as in the scripts: it sets PyTensor's flags before PyTensor starts
@@ -226,3 +228,38 @@ def test_gpu_ordered_programs_are_compiled_before_the_first_epoch(monkeypatch):
         trainer.epoch(30)  # calls of 4, and the 2 left at the end
     assert not [m for m in compiled if "Compiling" in m], compiled
     assert trainer.exchange.steps_done() == trainer.steps == 30
+
+
+def test_the_exchange_kernel_cuts_the_weights_into_chunks_every_gpu_shares():
+    """Block b of every GPU must handle the same floats, whatever addresses
+    XLA gave each GPU's buffers: the chunks follow the layout only.  16-byte
+    chunks where a parameter starts on 16 bytes of the flat layout (the
+    MLP's four do), single floats where it does not; a short last chunk."""
+    from stream_exchange import WIDTH, Segments, slot_floats
+
+    def plan(sizes, base):
+        segments = Segments.of([(base + 1000 * i, n) for i, n in enumerate(sizes)])
+        return [(segments.start[i], segments.width[i], segments.chunks_end[i])
+                for i in range(segments.count)]
+
+    mlp_sizes = [784 * 500, 500, 500 * 10, 10]
+    assert plan(mlp_sizes, 0) == plan(mlp_sizes, 4) == [
+        (0, WIDTH, 98000), (392000, WIDTH, 98125), (392500, WIDTH, 99375), (397500, WIDTH, 99378)]
+    assert plan([3, 5, 8], 0) == [(0, WIDTH, 1), (3, 1, 6), (8, WIDTH, 8)]
+    assert slot_floats(397510) % 32 == 0 and slot_floats(397510) >= 397510
+
+
+@pytest.mark.skipif(not shutil.which("nvcc"), reason="needs CUDA's compiler, nvcc")
+def test_the_exchange_kernel_compiles_for_an_h200(tmp_path):
+    """The GPU-ordered exchange's kernel source, as the GPU path builds it,
+    compiles for the H200 (sm_90) without spilling: a machine without a GPU
+    catches what would otherwise fail only on the device."""
+    import stream_exchange as se
+    source = tmp_path / "exchange.cu"
+    source.write_text(se.KERNELS % dict(max_workers=se.MAX_WORKERS, max_segments=se.MAX_SEGMENTS,
+                                        grid=se.GRID, block=se.BLOCK))
+    built = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-Xptxas", "-v", str(source),
+                            "-o", str(tmp_path / "exchange.cubin")],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    assert "0 bytes spill stores" in built.stderr, built.stderr
