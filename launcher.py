@@ -94,11 +94,16 @@ def peer_access(a, b):
     return a == b or drv.Device(a).can_access_peer(drv.Device(b))
 
 
-def free_local_address():
-    """127.0.0.1 and a port nobody listens on now, for a one-machine coordinator."""
+def free_port():
+    """A port on 127.0.0.1 that nobody listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+        return s.getsockname()[1]
+
+
+def free_local_address():
+    """127.0.0.1 and a free port, for a one-machine coordinator."""
+    return f"127.0.0.1:{free_port()}"
 
 
 def check_exchange(args, world, gpus):

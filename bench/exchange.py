@@ -314,6 +314,7 @@ def nccl_worker(args):
 
 def run_allreduce(args):
     """Both sweeps, each in one process per worker; returns the rows by size."""
+    from launcher import free_port
     gpus = args.allreduce or [str(i) for i in range(gpu_count())]
     n, shared = len(gpus), len(set(gpus)) < len(gpus)
     me = [sys.executable, os.path.abspath(__file__), "--max-mb", str(args.max_mb),
@@ -461,13 +462,6 @@ def gpu_count():
     import pycuda.driver as drv
     drv.init()
     return drv.Device.count()
-
-
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -378,14 +378,10 @@ def ddp_worker(rank, world, port, args, queue):
 
 def ddp(args):
     """One process per GPU, DistributedDataParallel over NCCL."""
-    import socket
-
     import torch
     import torch.multiprocessing as mp
-    world = torch.cuda.device_count()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from launcher import free_port
+    world, port = torch.cuda.device_count(), free_port()
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(ddp_worker, args=(world, port, args, queue), nprocs=world)
     return queue.get()

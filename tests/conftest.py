@@ -67,6 +67,13 @@ def start_dual(*args, env=None, cwd=ROOT, mine=True):
     return proc
 
 
+def start_node(port, rank, *args, **kw):
+    """Start node ``rank`` of a two-node CPU run whose coordinator is
+    127.0.0.1:``port`` (``start_dual``'s keywords)."""
+    return start_dual("cpu", "cpu", "--nodes", 2, "--node-rank", rank, "--coordinator",
+                      f"127.0.0.1:{port}", *args, **kw)
+
+
 # Runs started in their own process group outlive a pytest that is killed
 # (a device call's time limit): one left training for 100000 epochs shared
 # the GPUs with the next benchmark and made its figures wrong.

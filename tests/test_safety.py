@@ -19,7 +19,8 @@ import datasets
 import records
 from conftest import (LAUNCHERS, ROOT, SHAPES, TOKEN, dual, finish, kill_one_worker,
                       leftover_workers, run_directories, script, start_checkpointing,
-                      start_dual, wait_for, wait_until_training, workers_of)
+                      start_dual, start_node, wait_for, wait_until_training, workers_of)
+from launcher import free_port
 
 
 def one_line(out, code, *words):
@@ -31,12 +32,6 @@ def one_line(out, code, *words):
 
 def digest(path):
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_an_output_never_overwrites_an_input_or_another_output(tmp_path, no_leftovers):
@@ -127,18 +122,13 @@ def test_every_socket_of_a_one_machine_run_is_on_the_loopback(no_leftovers):
         finish(proc, timeout=15)
 
 
-def nodes(port, rank, *args, mine=True):
-    return start_dual("cpu", "cpu", "--nodes", 2, "--node-rank", rank, "--coordinator",
-                      f"127.0.0.1:{port}", *args, mine=mine)
-
-
 def test_a_foreign_run_on_a_live_runs_port_is_refused_and_the_live_run_goes_on(no_leftovers):
     port = free_port()
-    live = [nodes(port, 1, "--epochs", 1000), nodes(port, 0, "--epochs", 1000)]
+    live = [start_node(port, 1, "--epochs", 1000), start_node(port, 0, "--epochs", 1000)]
     wait_until_training(live[1])
     for rank, words in ((1, "has joined already: is another run using this --coordinator?"),
                         (0, f"cannot listen on 127.0.0.1:{port}")):
-        foreign = nodes(port, rank, "--epochs", 1000)
+        foreign = start_node(port, rank, "--epochs", 1000)
         code, _, err = finish(foreign, timeout=60)
         assert code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
     time.sleep(2)
@@ -152,8 +142,8 @@ def test_a_foreign_run_on_a_live_runs_port_is_refused_and_the_live_run_goes_on(n
 
 def test_a_node_given_another_option_is_refused_in_one_line(no_leftovers):
     port = free_port()
-    node0 = nodes(port, 0, "--epochs", 2, "--timeout", 5)
-    node1 = nodes(port, 1, "--epochs", 3, "--timeout", 5)
+    node0 = start_node(port, 0, "--epochs", 2, "--timeout", 5)
+    node1 = start_node(port, 1, "--epochs", 3, "--timeout", 5)
     code, _, err = finish(node1, timeout=60)
     assert code == 2 and err.strip().splitlines() == [
         f"dual_mlp.py: error: refused by node 0 at 127.0.0.1:{port + 1}: node 0 runs other "

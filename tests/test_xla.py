@@ -6,20 +6,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 
 import numpy as np
 import pytest
 
 import records
 from conftest import (SHAPES, dual, finish, kill_one_worker, leftover_workers, run_directories,
-                      start_dual, wait_for, wait_until_training, workers_of)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+                      start_dual, start_node, wait_for, wait_until_training, workers_of)
+from launcher import free_port
 
 
 def run(tmp_path, name, *args, **kw):
@@ -94,15 +88,10 @@ def test_xla_with_two_workers_follows_the_p2p_exchange(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
 
 
-def nodes(port, rank, *args):
-    return start_dual("cpu", "cpu", "--nodes", 2, "--node-rank", rank, "--coordinator",
-                      f"127.0.0.1:{port}", *args)
-
-
 def test_two_launchers_as_two_nodes_train_identical_replicas(tmp_path):
     port, same = free_port(), ("--epochs", 2, "--check")  # every node runs the same options
-    node1 = nodes(port, 1, *same)
-    node0 = nodes(port, 0, *same, "--json", tmp_path / "run.json")
+    node1 = start_node(port, 1, *same)
+    node0 = start_node(port, 0, *same, "--json", tmp_path / "run.json")
     code, _, err = finish(node0, timeout=300)
     assert code == 0, err
     assert finish(node1, timeout=30)[0] == 0
@@ -141,7 +130,7 @@ def test_a_stalled_worker_is_reported_within_the_timeout(no_leftovers, exchange,
 
 def test_a_dead_node_stops_the_other_node():
     port, before = free_port(), run_directories()
-    node0, node1 = nodes(port, 0, "--epochs", 1000), nodes(port, 1, "--epochs", 1000)
+    node0, node1 = start_node(port, 0, "--epochs", 1000), start_node(port, 1, "--epochs", 1000)
     wait_until_training(node0)
     os.killpg(node1.pid, signal.SIGKILL)  # that machine's launcher and workers, at once
     node1.communicate()
@@ -158,7 +147,7 @@ def test_a_node_alone_reports_the_missing_nodes_within_the_timeout(no_leftovers,
     """Rank 1: no node 0 to let it in; rank 0: the other node never comes.
     Either way one line says so."""
     port = free_port()
-    proc = nodes(port, rank, "--timeout", 5)
+    proc = start_node(port, rank, "--timeout", 5)
     code, took, err = finish(proc, timeout=40)
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     last = err.strip().splitlines()[-1]
