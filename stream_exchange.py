@@ -59,9 +59,10 @@ The kernel's arguments never change (the step number lives in GPU memory),
 so XLA captures its launch into a CUDA graph once and replays it
 (``command_buffer_compatible``): the Python callback below runs at capture
 only.  ``callbacks`` counts how often it ran.  The host learns how far the
-GPU has got from ``done`` (the least of the blocks' counts), so that the step needs no output of its own to be
-waited on (a fresh output buffer every step would make XLA update its
-recorded step every step, which costs the host more than the step).
+GPU has got from ``done`` (the least of the blocks' counts), so that the
+step needs no output of its own to be waited on (a fresh output buffer
+every step would make XLA update its recorded step every step, which costs
+the host more than the step).
 
 The callback is declared without side effects: XLA cannot drop it, because
 its output (the average, written over the new weights) is the next step's
@@ -117,6 +118,7 @@ def slot_floats(n):
     """Floats in one send slot: the weights, rounded up to 128 bytes so that
     both slots start aligned."""
     return -(-n // 32) * 32
+
 
 KERNELS = r"""
 #define MAX_WORKERS %(max_workers)d
@@ -275,6 +277,12 @@ exchange(const Peers *peers, int rank, int n_workers, const Segments weights,
 """
 
 
+def kernel_source():
+    """``KERNELS`` with this module's sizes filled in: what nvcc compiles."""
+    return KERNELS % dict(max_workers=MAX_WORKERS, max_segments=MAX_SEGMENTS, grid=GRID,
+                          block=BLOCK)
+
+
 class StreamExchange:
     """One worker's side of the GPU-ordered exchange (see the module's text).
 
@@ -296,9 +304,8 @@ class StreamExchange:
         self.cu, self.drv, self.layout = cu, drv, layout
         self.rank, self.n_workers = rank, n_workers
         major, minor = drv.Device(0).compute_capability()
-        source = KERNELS % dict(max_workers=MAX_WORKERS, max_segments=MAX_SEGMENTS, grid=GRID,
-                                block=BLOCK)
-        cubin = compile_cuda(source, nvcc=nvcc(), arch=f"sm_{major}{minor}", no_extern_c=True)
+        cubin = compile_cuda(kernel_source(), nvcc=nvcc(), arch=f"sm_{major}{minor}",
+                             no_extern_c=True)
         self._image = np.frombuffer(cubin, np.uint8)  # must outlive the module
         self._module = self._check(cu.cuModuleLoadData(self._image.ctypes.data))
         self._kernel = self._check(cu.cuModuleGetFunction(self._module, b"exchange"))

@@ -255,10 +255,9 @@ def test_the_exchange_kernel_compiles_for_an_h200(tmp_path):
     compiles for the H200 (sm_90) with no stack frame (a struct indexed at
     run time lands in local memory: a version so built ran 4 us a step
     slower): a machine without a GPU catches it before the device does."""
-    import stream_exchange as se
+    from stream_exchange import kernel_source
     source = tmp_path / "exchange.cu"
-    source.write_text(se.KERNELS % dict(max_workers=se.MAX_WORKERS, max_segments=se.MAX_SEGMENTS,
-                                        grid=se.GRID, block=se.BLOCK))
+    source.write_text(kernel_source())
     built = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-Xptxas", "-v", str(source),
                             "-o", str(tmp_path / "exchange.cubin")],
                            capture_output=True, text=True)
