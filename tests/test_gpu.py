@@ -34,6 +34,13 @@ def run_json(tmp_path, name, *args, env=None):
     return json.loads((tmp_path / f"{name}.json").read_text()), out
 
 
+def assert_same_weights(tmp_path, run, other, rtol, atol):
+    """The final weights of two ``run_json`` runs, equal within the tolerances."""
+    for a, b in zip(records.load_checkpoint(str(tmp_path / f"{run}.npz"), SHAPES)[0],
+                    records.load_checkpoint(str(tmp_path / f"{other}.npz"), SHAPES)[0]):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("devices,staged", [(PAIR, False), (SHARED, False), (PAIR, True),
                                             (["0", "0", "0"], False)])
 def test_ipc_copy_is_exact_for_every_parameter_shape(devices, staged):
@@ -59,9 +66,7 @@ def test_replicas_identical_and_following_the_cpu_path(tmp_path, avg):
     assert gpu["backend"] == "JAXLinker" and gpu["sync"] == "host"
     assert gpu["route"] == f"CUDA IPC, peer to peer, ordered by the host, --avg {avg}"
     np.testing.assert_allclose(gpu["validation_errors"], cpu["validation_errors"], atol=0.003)
-    for a, b in zip(records.load_checkpoint(str(tmp_path / "gpu.npz"), SHAPES)[0],
-                    records.load_checkpoint(str(tmp_path / "cpu.npz"), SHAPES)[0]):
-        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+    assert_same_weights(tmp_path, "gpu", "cpu", rtol=1e-3, atol=1e-4)
 
 
 def test_two_workers_on_one_gpu_fall_back_to_the_host_ordered_loop(tmp_path):
@@ -81,9 +86,7 @@ def test_forced_fallback_through_host_gives_the_same_weights(tmp_path):
     assert f"notice: the exchange is ordered by the host (--sync host): {why}" in out.stdout
     # the same numbers moved another way; XLA's GPU reductions are not bitwise
     # repeatable from run to run, so equal to float32 rounding, not to the bit
-    for a, b in zip(records.load_checkpoint(str(tmp_path / "staged.npz"), SHAPES)[0],
-                    records.load_checkpoint(str(tmp_path / "direct.npz"), SHAPES)[0]):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert_same_weights(tmp_path, "staged", "direct", rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.skipif(not FASHION.exists(), reason="needs Fashion-MNIST (FASHION_MNIST=folder)")
@@ -152,9 +155,7 @@ def test_gpu_ordered_exchange_keeps_replicas_identical_and_follows_the_host_orde
             assert "the GPU-ordered exchange runs there time-sliced" in out.stdout
         np.testing.assert_allclose(gpu["validation_errors"], host["validation_errors"],
                                    atol=0.003)
-        for a, b in zip(records.load_checkpoint(str(tmp_path / "gpu.npz"), SHAPES)[0],
-                        records.load_checkpoint(str(tmp_path / "host.npz"), SHAPES)[0]):
-            np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+        assert_same_weights(tmp_path, "gpu", "host", rtol=1e-3, atol=1e-5)
         print(f"exchange callbacks run: {gpu['exchange_callbacks']} in "
               f"{gpu['epochs_run'] * gpu['steps_per_epoch']} steps, {gpu['steps_per_call']} "
               f"a call; host {gpu['host_us_per_step']:.0f} us a step")
@@ -173,9 +174,7 @@ def test_three_workers_on_one_gpu_follow_the_cpu_path(tmp_path, sync):
         assert gpu["exchange_steps"] == gpu["epochs_run"] * gpu["steps_per_epoch"] == 20
         assert "3 workers on GPU 0: the GPU-ordered exchange runs there time-sliced" in out.stdout
     np.testing.assert_allclose(gpu["validation_errors"], cpu["validation_errors"], atol=0.003)
-    for a, b in zip(records.load_checkpoint(str(tmp_path / "gpu.npz"), SHAPES)[0],
-                    records.load_checkpoint(str(tmp_path / "cpu.npz"), SHAPES)[0]):
-        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+    assert_same_weights(tmp_path, "gpu", "cpu", rtol=1e-3, atol=1e-4)
 
 
 def test_the_exchange_bench_checks_the_n_way_kernel_on_one_gpu(tmp_path):
