@@ -23,11 +23,10 @@ sets the pace.  The exchange's own step counter must equal the steps run
 step at every batch.  Writes ``step_cost.json`` (``step_cost_cpu.json``).
 """
 import argparse
-import os
 import sys
 import time
 
-from common import RESULTS, ROOT, parse_args, record
+from common import RESULTS, ROOT, one_device, parse_args, record
 
 sys.path.insert(0, ROOT)
 
@@ -121,15 +120,10 @@ def main():
     args = parse_args(parser, table)
     if args.cpu:
         args.batches, args.steps = [100], min(args.steps, 40)
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    else:
-        os.environ.update(CUDA_VISIBLE_DEVICES="0", JAX_PLATFORMS="cuda")
-    import theano_flags  # noqa: F401  (float32, as the scripts run)
+    device = one_device(args.cpu)
     import dual_mlp
     import mlp
-    from devices import CudaDevice, JaxDevice
     from logistic_sgd import load_data
-    device = JaxDevice() if args.cpu else CudaDevice(0)
     data = load_data(args.dataset, put=device.put)
     ks = args.steps_per_call or [1, dual_mlp.STEPS_PER_CALL]
     figures = []

@@ -24,7 +24,7 @@ import tempfile
 
 import numpy as np
 
-from common import RESULTS, ROOT, record
+from common import RESULTS, ROOT, one_device, record
 
 sys.path.insert(0, ROOT)
 import datasets  # noqa: E402
@@ -85,17 +85,12 @@ def main():
     args = parser.parse_args()
     if args.cpu:
         args.batch, args.steps = 500, min(args.steps, 20)
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    else:
-        os.environ.update(CUDA_VISIBLE_DEVICES="0", JAX_PLATFORMS="cuda")
-    import theano_flags  # noqa: F401  (float32, as the scripts run)
+    device = one_device(args.cpu)
     import jax
     import mlp
     import references
     import step_cost
-    from devices import CudaDevice, JaxDevice
     from logistic_sgd import load_data
-    device = JaxDevice() if args.cpu else CudaDevice(0)
 
     step, state = pytensor_step(args.dataset, args.batch, device)
 
