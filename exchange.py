@@ -43,7 +43,7 @@ import time
 import numpy as np
 import zmq
 
-from launcher import Interrupted
+from launcher import Interrupted, stopped_workers
 
 
 class PeerError(Exception):
@@ -62,7 +62,7 @@ class Peer:
             wake-up from a blocking wait costs tens of microseconds, which
             matters next to a GPU step but would steal a CPU worker's core
         """
-        self.rank, self.n = rank, n_workers
+        self.rundir, self.rank, self.n = rundir, rank, n_workers
         self.timeout, self.stopping, self.spin = timeout, stopping, spin
         self.barriers = 0
         self.context = zmq.Context()
@@ -86,7 +86,9 @@ class Peer:
             if self.stopping.is_set():
                 raise Interrupted
             if time.monotonic() > deadline:
-                raise PeerError(f"worker {other} did not reach {what} within "
+                # the one that stopped, rather than one that waits for it as we do
+                late = stopped_workers(self.rundir, self.n, self.rank) or [other]
+                raise PeerError(f"worker {late[0]} did not reach {what} within "
                                 f"{self.timeout:g} s (see --timeout)")
 
     def _send_all(self, message, what):

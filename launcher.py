@@ -609,34 +609,9 @@ class Watchdog:
     def __exit__(self, *exc):
         self.armed = False
 
-    def heartbeat_path(self, rank):
-        return os.path.join(self.rundir, f"alive-{rank}")
-
-    def stalled(self):
-        """The workers of this machine whose heartbeat stopped, by rank."""
-        now = time.time()
-        late = []
-        for rank in range(self.world):
-            try:
-                if now - os.path.getmtime(self.heartbeat_path(rank)) > 1.0:
-                    late.append(rank)
-            except OSError:
-                pass  # on another machine
-        return late
-
-    def wait_for_the_late(self):
-        """The other workers whose heartbeat has stopped; a worker stopped
-        within the last second does not show yet, so look for a second more."""
-        for _ in range(12):
-            late = [r for r in self.stalled() if r != self.rank]
-            if late:
-                return late
-            time.sleep(0.1)
-        return []
-
     def _watch(self):
         stop_seen = None
-        beat = self.heartbeat_path(self.rank)
+        beat = heartbeat_path(self.rundir, self.rank)
         while True:
             if select.select([self.wakeup], [], [], 0.1)[0]:
                 signum = os.read(self.wakeup, 1)[0]
@@ -653,12 +628,36 @@ class Watchdog:
                 if now - stop_seen > 1.0:
                     quit_now(128 + stopping.signum)
             elif self.armed and now - self.last > self.timeout:
-                late = self.wait_for_the_late()
+                late = stopped_workers(self.rundir, self.world, self.rank)
                 who = (f"worker {', '.join(map(str, late))} stopped running" if late
                        else "another worker stalled")
                 print(f"worker {self.rank}: error: no step finished within {self.timeout:g} s: "
                       f"{who} (see --timeout)", file=sys.stderr, flush=True)
                 quit_now(1)
+
+
+def heartbeat_path(rundir, rank):
+    return os.path.join(rundir, f"alive-{rank}")
+
+
+def stopped_workers(rundir, world, me):
+    """The other workers of this machine whose heartbeat (``Watchdog``) has
+    stopped, by rank: the ones a stall is about, where the worker that
+    noticed it may be waiting on one that only waits for them.  A worker
+    stopped within the last second does not show yet, so look for a second
+    more; none where no worker keeps a heartbeat (or on other machines)."""
+    for _ in range(12):
+        now, late = time.time(), []
+        for rank in range(world):
+            try:
+                if rank != me and now - os.path.getmtime(heartbeat_path(rundir, rank)) > 1.0:
+                    late.append(rank)
+            except OSError:
+                pass  # on another machine
+        if late:
+            return late
+        time.sleep(0.1)
+    return []
 
 
 class Unwatched:

@@ -202,3 +202,24 @@ def test_the_last_message_before_a_close_is_delivered(tmp_path):
     peer.close()  # at once, as a worker that has finished
     thread.join(40)
     assert not thread.is_alive() and np.array_equal(got["array"], big)
+
+
+def test_a_barrier_timeout_names_the_worker_that_stopped_not_one_waiting_for_it(tmp_path):
+    """Three workers; worker 2 stops after its message of a barrier reached
+    worker 0 but not worker 1.  Worker 0 passes that barrier and, at the
+    next, waits first for worker 1, who only waits for worker 2: the stall
+    must be named after the worker whose heartbeat stopped (seen in CI as
+    "worker 1 did not reach barrier 2").  Here worker 1 keeps its heartbeat
+    and never answers, worker 2's heartbeat is a minute old."""
+    from exchange import Peer, PeerError
+    from launcher import StopRequest, heartbeat_path
+    for rank in (1, 2):
+        open(heartbeat_path(str(tmp_path), rank), "w").close()
+    stale = time.time() - 60
+    os.utime(heartbeat_path(str(tmp_path), 2), (stale, stale))
+    peer = Peer(str(tmp_path), 0, 3, 0.5, StopRequest())
+    try:
+        with pytest.raises(PeerError, match=r"^worker 2 did not reach barrier 1 within 0.5 s"):
+            peer.barrier()
+    finally:
+        peer.close()
