@@ -27,33 +27,33 @@ round trip, not one per element.  Thread w of a block speaks for worker
 w: it writes this block's flag into worker w's memory and waits on worker
 w's flag in ours, all N at once.  For step t, block b::
 
-    begin    t = ++step[b]; wait until every worker's block b has reduced t-2
-             (it read send[t % 2] then; we are about to overwrite it)
+    begin    t = ++step[b]                                     (local)
     publish  my new weights -> my send[t % 2]                    (local)
     signal   published[b][rank] = t in every worker's flags (a release store);
              wait until every worker's published[b][w] = t here
     reduce   weights = (send_0[t % 2] + ... + send_N-1[t % 2]) / N, summed in
              rank order on every GPU, so the replicas stay bit-identical
              (N - 1 of the N reads over NVLink)
-    copied   reduced[b][rank] = t in every worker's flags (a plain store);
-             done[b] = t, in host memory
+    end      done[b] = t, in host memory
 
-Why nothing can deadlock or be overwritten while read: a worker one step
-ahead (t+1) publishes into the other slot, send[(t+1) % 2], which nobody
-reads at step t; to publish t+2 into send[t % 2] again it waits for every
-block b to have reduced step t.  A worker two steps ahead is impossible: at
-t+2 it waits in ``begin`` for the slow one's ``reduced`` of t.  The memory
-order, as in vLLM's kernels: the block's ``__syncthreads()``, then a store
-with release semantics at system scope, make ``publish``'s stores visible to
-every GPU before the flag that says they are there; the waiting side reads
-the flag with acquire semantics, then ``__syncthreads()``, before it reads
-the data.  Only that one flag needs the fence (a system-wide memory barrier,
-the dearest instruction here): ``copied`` and ``begin`` order no data the
-kernel wrote for another GPU.  ``reduce``'s reads are complete before
-``copied``'s plain (volatile) store, because their values have been stored
-before the ``__syncthreads()`` that precedes it, and a store that follows
-``begin``'s spin cannot be made before the spin has seen its value: vLLM's
-end barrier relies on the same.
+The 2014 loop's second signal, "copied", is not needed: why nothing can
+deadlock or be overwritten while read.  Each GPU runs its kernels in stream
+order, so a worker publishes step t+1 only after its whole kernel of step t
+has ended: when the others see its "published t+1", its reads of step t's
+slots are done.  A worker one step ahead (t+1) publishes into the other
+slot, send[(t+1) % 2], which nobody reads at step t.  To publish t+2 into
+send[t % 2] again, it must have ended its kernel of t+1, which waited for
+every worker's "published t+1": every worker has read send[t % 2] of step
+t.  So a worker is never two steps ahead, and the wait for "published" is
+the kernel's only one.  Its step number and its first chunk of weights are
+read at once (the number is needed only to store the chunk): each phase
+costs one memory round trip.  The memory order, as in vLLM's kernels: the
+block's ``__syncthreads()``, then a store with release semantics at system
+scope, make ``publish``'s stores visible to every GPU before the flag that
+says they are there; the waiting side reads the flag with acquire
+semantics, then ``__syncthreads()``, before it reads the data.  That flag
+is the only one with a fence (a system-wide memory barrier, the dearest
+instruction here).
 
 The kernel's arguments never change (the step number lives in GPU memory),
 so XLA captures its launch into a CUDA graph once and replays it
@@ -87,6 +87,12 @@ import numpy as np
 MAX_WORKERS, MAX_SEGMENTS = 8, 8
 GRID, BLOCK = 128, 1024  # the same on every GPU: block b handles the same elements everywhere
 WIDTH = 4                # floats a thread moves at once (one 16-byte load or store)
+
+
+class Peers(ctypes.Structure):
+    """``struct Peers`` of ``KERNELS``: every worker's send slots and flags,
+    as this GPU addresses them."""
+    _fields_ = [("send", ctypes.c_void_p * MAX_WORKERS), ("flags", ctypes.c_void_p * MAX_WORKERS)]
 
 
 class Segments(ctypes.Structure):
@@ -127,15 +133,15 @@ KERNELS = r"""
 #define BLOCK %(block)d
 
 // One worker's counters, in its GPU's memory; the other workers write
-// published and reduced, over NVLink, block by block.
+// published, over NVLink, block by block.
 struct Flags {
     int step[GRID];                          // the steps block b has begun here
     int published[GRID][MAX_WORKERS];        // [b][w]: the last step worker w's block b published
-    int reduced[GRID][MAX_WORKERS];          // [b][w]: the last step worker w's block b reduced
 };
 
 // Every worker's buffers, as this GPU addresses them (its own included):
-// written once, after the handshake.
+// passed by value, and indexed only by numbers the compiler knows (pick),
+// so that they stay in the kernel's parameters, not in local memory.
 struct Peers {
     float *send[MAX_WORKERS];
     Flags *flags[MAX_WORKERS];
@@ -163,7 +169,17 @@ struct Chunk {
 };
 
 __device__ Flags flags_size;  // never used: its size, read at load, sizes the allocation
-__device__ Peers peers_size;  // likewise
+
+// from[w] for a w known only at run time, by selects: indexing the array
+// itself would copy it into local memory.  For ``rank`` the compiler folds
+// the selects back into an index, so the kernel takes peers.flags[rank] and
+// peers.send[rank] as arguments of their own.
+template <typename T> __device__ T pick(T const (&from)[MAX_WORKERS], int w) {
+    T p = from[0];
+#pragma unroll
+    for (int k = 1; k < MAX_WORKERS; ++k) if (k == w) p = from[k];
+    return p;
+}
 
 // An acquire load at system scope: what the GPU that stored the value wrote
 // before its release is visible to this thread's later reads.
@@ -180,18 +196,10 @@ __device__ void store_release(int *p, int v) {
     asm volatile("st.release.sys.global.b32 [%%0], %%1;" :: "l"(p), "r"(v) : "memory");
 }
 
-// The same without the fence, for flags that order no data: one store.
-__device__ void store_plain(volatile int *p, int v) { *p = v; }
-
 // Thread w < N waits until worker w's counter here reaches t: a spin on this
 // GPU's own memory, ~1 us once the other's store has crossed NVLink.
 __device__ void wait_for(const int *counter, int t) {
     while (load_acquire(counter) < t) __nanosleep(32);
-}
-
-// The same without acquiring: what follows it writes, and reads nothing of the others'.
-__device__ void wait_plain(const volatile int *counter, int t) {
-    while (*counter < t) __nanosleep(32);
 }
 
 // Chunk q: a thread's q only grows, so its segment s only moves on.
@@ -232,47 +240,38 @@ __device__ float4 operator/(float4 a, float n) {
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
-exchange(const Peers *peers, int rank, int n_workers, const Segments weights,
-         long long slot_floats, volatile unsigned *done) {
+exchange(const Peers peers, int rank, int n_workers, Flags *mine, float *own,
+         const Segments weights, long long slot_floats, volatile unsigned *done) {
+    // mine, own: peers.flags[rank] and peers.send[rank], passed apart (see pick)
     const int b = blockIdx.x, me = threadIdx.x;  // threads me < N: one each for worker me
-    Flags *mine = peers->flags[rank];
-    __shared__ int t;
-    __shared__ const float *send[MAX_WORKERS];
-    if (me < n_workers) {                                         // begin: step t, and
-        const int step = mine->step[b] + 1;                       // send[t %% 2] is free
-        send[me] = peers->send[me];
-        wait_plain(&mine->reduced[b][me], step - 2);
-        if (me == 0) t = step;
-    }
-    __syncthreads();
-    if (me == 0) mine->step[b] = t;                               // every waiter has read it
-    const long long chunks = weights.chunks_end[weights.count - 1], slot = (t & 1) * slot_floats,
+    const long long chunks = weights.chunks_end[weights.count - 1],
                     first = b * (long long)BLOCK + me, stride = (long long)GRID * BLOCK;
-    float *published = peers->send[rank] + slot;
-    int s = 0;
+    const int t = mine->step[b] + 1;                              // begin: every thread loads
+    const long long slot = (t & 1) * slot_floats;                 // t and its first chunk at
+    float *published = own + slot;                                // once (t is needed only to
+    int s = 0;                                                    // store the chunk)
     for (long long q = first; q < chunks; q += stride) {          // publish
         const Chunk c = chunk(weights, s, q);
         store(published + c.flat, load(c.weights, c.count), c.count);
     }
-    __syncthreads();
+    __syncthreads();                                              // every thread has read t
+    if (me == 0) mine->step[b] = t;
     if (me < n_workers) {                                         // signal: "published t",
-        store_release(&peers->flags[me]->published[b][rank], t);  // a 4-byte NVLink store
+        store_release(&pick(peers.flags, me)->published[b][rank], t); // a 4-byte NVLink store
         wait_for(&mine->published[b][me], t);                     // and worker me's to us
     }
     __syncthreads();
     s = 0;
     for (long long q = first; q < chunks; q += stride) {          // reduce, in rank order
         const Chunk c = chunk(weights, s, q);
-        float4 sum = load(send[0] + slot + c.flat, c.count);
+        float4 sum = load(peers.send[0] + slot + c.flat, c.count);
 #pragma unroll
         for (int w = 1; w < MAX_WORKERS; ++w)                     // N - 1 loads in flight at once
-            if (w < n_workers) sum = sum + load(send[w] + slot + c.flat, c.count);
+            if (w < n_workers) sum = sum + load(peers.send[w] + slot + c.flat, c.count);
         store(c.weights, sum / (float)n_workers, c.count);
     }
-    __syncthreads();
-    if (me < n_workers)                                           // copied: "reduced t"
-        store_plain(&peers->flags[me]->reduced[b][rank], t);
-    if (me == 0) done[b] = t;                                     // host memory, over PCIe
+    __syncthreads();                                              // end: the block's reads are
+    if (me == 0) done[b] = t;                                     // done; host memory, PCIe
 }
 """
 
@@ -307,24 +306,17 @@ class StreamExchange:
         cubin = compile_cuda(kernel_source(), nvcc=nvcc(), arch=f"sm_{major}{minor}",
                              no_extern_c=True)
         self._image = np.frombuffer(cubin, np.uint8)  # must outlive the module
-        self._module = self._check(cu.cuModuleLoadData(self._image.ctypes.data))
-        self._kernel = self._check(cu.cuModuleGetFunction(self._module, b"exchange"))
-        sizes = {name: self._check(cu.cuModuleGetGlobal(self._module, name))[1]
-                 for name in (b"flags_size", b"peers_size")}
+        self._module = checked(cu.cuModuleLoadData(self._image.ctypes.data))
+        self._kernel = checked(cu.cuModuleGetFunction(self._module, b"exchange"))
+        flags_bytes = checked(cu.cuModuleGetGlobal(self._module, b"flags_size"))[1]
         self.slot = slot_floats(layout.size)
         self.send = drv.mem_alloc(2 * self.slot * layout.dtype.itemsize)
-        self.flags = drv.mem_alloc(sizes[b"flags_size"])
-        drv.memset_d8(self.flags, 0, sizes[b"flags_size"])
-        self.peers = drv.mem_alloc(sizes[b"peers_size"])
+        self.flags = drv.mem_alloc(flags_bytes)
+        drv.memset_d8(self.flags, 0, flags_bytes)
+        self.peers = None  # until connect() or loopback()
         self.done = drv.pagelocked_zeros(GRID, np.uint32, mem_flags=drv.host_alloc_flags.DEVICEMAP)
         self._opened = ()  # the others' buffers, opened by IPC
         self.callbacks = 0
-
-    def _check(self, result):
-        error, *value = result
-        if error != self.cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"CUDA driver: {self.cu.cuGetErrorName(error)[1].decode()}")
-        return (value[0] if len(value) == 1 else value) if value else None
 
     def steps_done(self):
         """The last step whose exchange this GPU has finished."""
@@ -348,10 +340,9 @@ class StreamExchange:
         self._write_peers([(self.send, self.flags)])
 
     def _write_peers(self, buffers):
-        pointers = np.zeros(2 * MAX_WORKERS, np.uint64)
+        self.peers = Peers()
         for w, (send, flags) in enumerate(buffers):
-            pointers[w], pointers[MAX_WORKERS + w] = int(send), int(flags)
-        self.drv.memcpy_htod(self.peers, pointers)
+            self.peers.send[w], self.peers.flags[w] = int(send), int(flags)
 
     def __call__(self, new):
         import jax
@@ -371,22 +362,35 @@ class StreamExchange:
     def launch(self, stream, buffers):
         """Enqueue the kernel on ``stream`` (a raw handle) for the weights in
         ``buffers``, [(device address, number of floats)], at most the layout's."""
-        args = [ctypes.c_void_p(int(self.peers)), ctypes.c_int(self.rank),
-                ctypes.c_int(self.n_workers), Segments.of(buffers), ctypes.c_longlong(self.slot),
+        if self.peers is None:
+            raise RuntimeError("the exchange was launched before connect() or loopback()")
+        args = [self.peers, ctypes.c_int(self.rank), ctypes.c_int(self.n_workers),
+                ctypes.c_void_p(self.peers.flags[self.rank]),
+                ctypes.c_void_p(self.peers.send[self.rank]), Segments.of(buffers),
+                ctypes.c_longlong(self.slot),
                 ctypes.c_void_p(int(self.done.base.get_device_pointer()))]
         pointers = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        self._check(self.cu.cuLaunchKernel(self._kernel, GRID, 1, 1, BLOCK, 1, 1, 0,
-                                           self.cu.CUstream(stream), ctypes.addressof(pointers),
-                                           0))
+        checked(self.cu.cuLaunchKernel(self._kernel, GRID, 1, 1, BLOCK, 1, 1, 0,
+                                       self.cu.CUstream(stream), ctypes.addressof(pointers), 0))
 
     def close(self):
         for handles in self._opened:
             for handle in handles:
                 handle.close()
-        for buffer in (self.send, self.flags, self.peers):
+        for buffer in (self.send, self.flags):
             buffer.free()
         self.done.base.free()
-        self._check(self.cu.cuModuleUnload(self._module))
+        checked(self.cu.cuModuleUnload(self._module))
+
+
+def checked(result):
+    """What a ``cuda.bindings`` driver call returned, (error, *values), as
+    its value(s), or a RuntimeError that names the error."""
+    from cuda.bindings import driver as cu
+    error, *value = result
+    if error != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver: {cu.cuGetErrorName(error)[1].decode()}")
+    return (value[0] if len(value) == 1 else value) if value else None
 
 
 def address(buffer):

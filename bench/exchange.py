@@ -24,9 +24,12 @@ and bench/README.md from one.
 processes, one per GPU, each running ``stream_exchange``'s kernel (publish,
 signal, reduce the N buffers, signal) on a buffer of each size, beside the
 same N processes averaging it with NCCL's all-reduce (``torch.distributed``,
-``ReduceOp.AVG``).  Every result is checked against the mean computed on the
-host (the kernel's bit for bit); a rate that would put more on a GPU's links
-than they carry stops the script.  On one GPU, ``--allreduce 0`` is the
+``ReduceOp.AVG``), each timed twice: launched from Python one at a time (the
+host's rate, at small sizes) and replayed from a CUDA graph (the GPU's
+time, as inside the training step, where XLA replays its recorded graph).
+Every result is checked against the mean computed on the host (the
+kernel's bit for bit); a rate that would put more on a GPU's links than
+they carry stops the script.  On one GPU, ``--allreduce 0`` is the
 exchange in a world of one (its own cost, no link), and ``--allreduce 0 0 0``
 three workers time-sliced there, for correctness only.  Writes
 ``exchange_allreduce.json``.
@@ -232,9 +235,26 @@ def expected_mean(n_workers, n):
     return total / np.float32(n_workers)
 
 
+def replayable(stream, enqueue, times):
+    """``times`` calls of ``enqueue()``, captured on the PyCUDA ``stream`` into
+    a CUDA graph: a function that replays them on it, as XLA replays the
+    training step's kernels, with no host between them."""
+    from cuda.bindings import driver as cu
+    from stream_exchange import checked
+    handle = cu.CUstream(stream.handle)
+    checked(cu.cuStreamBeginCapture(handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+    for _ in range(times):
+        enqueue()
+    graph = checked(cu.cuStreamEndCapture(handle))
+    runnable = checked(cu.cuGraphInstantiate(graph, 0))
+    return lambda: checked(cu.cuGraphLaunch(runnable, handle))
+
+
 def exchange_worker(args):
     """One of the N processes of the stream exchange's sweep: ``StreamExchange``'s
-    kernel on a PyCUDA buffer, timed with CUDA events on its stream."""
+    kernel on a PyCUDA buffer, timed with CUDA events on its stream, launched
+    from Python one at a time (the host's rate) and replayed from a CUDA graph
+    (the GPU's)."""
     import pycuda.driver as drv
     from exchange import Layout, Peer
     from launcher import stopping
@@ -263,14 +283,24 @@ def exchange_worker(args):
             drv.memcpy_dtoh(got, buf)
             correct = bool(np.array_equal(got, expected_mean(args.workers, n)))
             r = repeats(size) if args.timed else 3
-            peer.barrier()
-            begin.record(stream)
-            for _ in range(r):
+
+            def launch():
                 ex.launch(stream.handle, [(int(buf), n)])
-            end.record(stream)
-            end.synchronize()
-            rows.append(dict(bytes=size, repeats=r, us=end.time_since(begin) * 1e3 / r,
-                             data_checked=correct))
+
+            def timed(run):  # us per exchange
+                peer.barrier()
+                begin.record(stream)
+                run()
+                end.record(stream)
+                end.synchronize()
+                return end.time_since(begin) * 1e3 / r
+            row = dict(bytes=size, repeats=r, us=timed(lambda: [launch() for _ in range(r)]),
+                       data_checked=correct)
+            if args.timed:
+                replay = replayable(stream, launch, r)
+                replay()  # the first replay uploads the graph
+                row["graph_us"] = timed(replay)
+            rows.append(row)
         peer.barrier()  # every kernel done everywhere: the buffers may go
     finally:
         ex.close()
@@ -282,7 +312,8 @@ def exchange_worker(args):
 
 def nccl_worker(args):
     """One of the N processes of NCCL's sweep: ``torch.distributed.all_reduce``
-    of the same buffer, averaging (``ReduceOp.AVG``), timed with CUDA events."""
+    of the same buffer, averaging (``ReduceOp.AVG``), timed with CUDA events,
+    called one at a time and replayed from a CUDA graph (``torch.cuda.graph``)."""
     import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
@@ -299,14 +330,25 @@ def nccl_worker(args):
                                        rtol=1e-6, atol=0))
             r = repeats(size)
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            dist.barrier()
-            begin.record()
-            for _ in range(r):
-                dist.all_reduce(data, dist.ReduceOp.AVG)
-            end.record()
-            end.synchronize()
-            rows.append(dict(bytes=size, repeats=r, us=begin.elapsed_time(end) * 1e3 / r,
-                             data_checked=correct))
+
+            def all_reduces():
+                for _ in range(r):
+                    dist.all_reduce(data, dist.ReduceOp.AVG)
+
+            def timed(run):  # us per all-reduce
+                dist.barrier()
+                begin.record()
+                run()
+                end.record()
+                end.synchronize()
+                return begin.elapsed_time(end) * 1e3 / r
+            row = dict(bytes=size, repeats=r, us=timed(all_reduces), data_checked=correct)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                all_reduces()
+            graph.replay()
+            row["graph_us"] = timed(graph.replay)
+            rows.append(row)
     finally:
         dist.destroy_process_group()
     print(json.dumps(rows))
@@ -330,11 +372,13 @@ def run_allreduce(args):
     nccl = None if shared else sweep_of("nccl-worker", ["--port", str(free_port())])
     rows = []
     for i, size in enumerate(sizes(args.max_mb)):
-        row = dict(bytes=size, stream_exchange_us=max(w[i]["us"] for w in ours),
-                   stream_exchange_checked=all(w[i]["data_checked"] for w in ours))
-        if nccl:
-            row.update(nccl_us=max(w[i]["us"] for w in nccl),
-                       nccl_checked=all(w[i]["data_checked"] for w in nccl))
+        row = dict(bytes=size)
+        for system, workers in (("stream_exchange", ours), ("nccl", nccl)):
+            if workers:  # the slowest worker's figures
+                row[f"{system}_us"] = max(w[i]["us"] for w in workers)
+                row[f"{system}_checked"] = all(w[i]["data_checked"] for w in workers)
+                if "graph_us" in workers[0][i]:
+                    row[f"{system}_graph_us"] = max(w[i]["graph_us"] for w in workers)
         rows.append(row)
     return gpus, shared, rows
 
@@ -346,9 +390,10 @@ def link_rates(rows, n):
     checks = []
     for row in rows:
         for system, moved in (("stream_exchange", n - 1), ("nccl", 2 * (n - 1) / n)):
-            if f"{system}_us" in row:
-                checks.append(dict(bytes=row["bytes"], data_checked=row[f"{system}_checked"],
-                                   gbps=moved * row["bytes"] / row[f"{system}_us"] / 1e3))
+            for timing in ("us", "graph_us"):
+                if f"{system}_{timing}" in row:
+                    checks.append(dict(bytes=row["bytes"], data_checked=row[f"{system}_checked"],
+                                       gbps=moved * row["bytes"] / row[f"{system}_{timing}"] / 1e3))
     return checks
 
 
@@ -361,12 +406,17 @@ def allreduce_table(document):
             f" {' '.join(document['gpus'])}; microseconds per all-reduce, every "
             "result checked" + ("" if timed else " (workers time-sliced on one GPU: correctness "
                                                  "only, the times are not a result)") + ".")
-    lines = [head, "", "| bytes | the demo's exchange (one kernel) | NCCL all-reduce (AVG) |",
-             "| --- | --- | --- |"]
+    lines = [head, "", "| bytes | the demo's exchange (one kernel): replayed from a CUDA graph | "
+             "launched one at a time | NCCL all-reduce (AVG): replayed from a CUDA graph | "
+             "called one at a time |", "| --- | --- | --- | --- | --- |"]
+
+    def us(row, key):
+        return f"{row[key]:.1f}" if key in row else "not run"
     for row in document["rows"]:
         mark = " (the MLP's weights)" if row["bytes"] == document["mlp_bytes"] else ""
-        nccl = f"{row['nccl_us']:.1f}" if "nccl_us" in row else "not run (one GPU per process)"
-        lines.append(f"| {row['bytes']:,}{mark} | {row['stream_exchange_us']:.1f} | {nccl} |")
+        lines.append(f"| {row['bytes']:,}{mark} | " + " | ".join(
+            us(row, key) for key in ("stream_exchange_graph_us", "stream_exchange_us",
+                                     "nccl_graph_us", "nccl_us")) + " |")
     return "\n".join(lines)
 
 

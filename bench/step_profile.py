@@ -5,7 +5,8 @@
 
 On one device, the same model and batch (default 20000): the training step
 that PyTensor's JAX backend builds from the tutorial's graph (as the demo
-runs it: jitted, weights donated, the minibatch index kept on the device),
+runs it: jitted, weights donated, the minibatch index kept on the device,
+``--steps-per-call`` steps a program),
 the hand-written JAX step of ``bench/references.py``, and on a GPU the
 demo's GPU-ordered step with its exchange in loopback (``bench/step_cost.py``):
 where the exchange's time goes, kernel by kernel.  Each is timed as
@@ -16,13 +17,10 @@ machine, both timings, the kernels of each).
 """
 import argparse
 import collections
-import functools
 import glob
 import os
 import sys
 import tempfile
-
-import numpy as np
 
 from common import RESULTS, ROOT, one_device, record
 
@@ -30,25 +28,6 @@ sys.path.insert(0, ROOT)
 import datasets  # noqa: E402
 
 PROFILED = 50
-
-
-def pytensor_step(dataset, batch, device):
-    """``(step, state)``: the tutorial's graph compiled by PyTensor, as
-    ``dual_mlp.py --sync gpu`` calls it (less the exchange)."""
-    import jax
-    import jax.numpy as jnp
-    import logistic_sgd
-    import mlp
-    from devices import jax_train_step, storage
-    model = mlp.Model(logistic_sgd.load_data(dataset, put=device.put), batch, mode="JAX")
-    train, data = jax_train_step(model)
-    n = model.n_train_batches
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(counter, params):
-        return counter + 1, train(counter % n, data, params)[1]
-    # copies: the model keeps its own weights
-    return step, (device.put(np.int32(0)), [jnp.array(storage(p)) for p in model.params])
 
 
 def kernels(run, synchronize, cpu):
@@ -71,7 +50,7 @@ def kernels(run, synchronize, cpu):
                 for event in line.events:
                     if not event.name.startswith(("ThunkExecutor", "SlinkyThreadPool")):
                         per_step[event.name] += event.duration_ns / 1e3 / PROFILED
-    return [dict(kernel=k, us_per_step=v) for k, v in per_step.most_common(25)]
+    return [dict(kernel=k, us_per_step=v) for k, v in per_step.most_common() if v > 0]
 
 
 def main():
@@ -80,48 +59,43 @@ def main():
                         help="training data (default: the shipped digits)")
     parser.add_argument("--batch", type=int, default=20000, help="examples per step")
     parser.add_argument("--steps", type=int, default=300, help="timed steps")
+    parser.add_argument("--steps-per-call", type=int, default=1, metavar="K",
+                        help="steps in one compiled program, as dual_mlp.py --steps-per-call "
+                             "(default 1)")
     parser.add_argument("--cpu", action="store_true", help="on the CPU, batch 500 (CI)")
     parser.add_argument("--out", default=RESULTS, help="folder for step_profile.json")
     args = parser.parse_args()
     if args.cpu:
         args.batch, args.steps = 500, min(args.steps, 20)
     device = one_device(args.cpu)
-    import jax
     import mlp
     import references
     import step_cost
     from logistic_sgd import load_data
 
-    step, state = pytensor_step(args.dataset, args.batch, device)
-
-    def run_pytensor(n):
-        nonlocal state
-        for _ in range(n):
-            state = step(*state)
-
-    def sync_pytensor():
-        jax.block_until_ready(state)
-
+    k = args.steps_per_call
+    ours = references.pytensor_trainer(args.dataset, args.batch, references.DEFAULTS, k)
     (x, y), _, _ = datasets.read(args.dataset)
     reference = references.jax_trainer(x, y, args.batch, references.DEFAULTS)  # on this device
-    systems = {"PyTensor's step (the demo's)": (run_pytensor, sync_pytensor),
+    systems = {"PyTensor's step (the demo's)": (ours.run_steps, ours.synchronize),
                "hand-written JAX step": (reference.run_steps, reference.synchronize)}
     if not args.cpu:
         model = mlp.Model(load_data(args.dataset, put=device.put), args.batch, mode="JAX")
-        run, _, _, trainer = step_cost.gpu_ordered_step(model, device, 1, cpu=False)
-        systems["GPU-ordered step, loopback (the demo's)"] = (run, lambda: None)
+        calls, _, _, trainer = step_cost.gpu_ordered_step(model, device, k, cpu=False)
+        systems["GPU-ordered step, loopback (the demo's)"] = (lambda n: calls(-(-n // k)),
+                                                                lambda: None)
     results = {}
     for name, (run, synchronize) in systems.items():
         us = references.step_us(run, synchronize, args.steps)
         results[name] = dict(step_us=us, kernels=kernels(run, synchronize, args.cpu))
         print(f"{name:30s} {us:8.1f} us/step; device time by kernel:")
-        for k in results[name]["kernels"][:8]:
-            print(f"    {k['us_per_step']:8.1f} us  {k['kernel'][:90]}")
+        for kernel in results[name]["kernels"][:8]:
+            print(f"    {kernel['us_per_step']:8.1f} us  {kernel['kernel'][:90]}")
     if not args.cpu:
         trainer.exchange.close()
     device.close()
     record("step_profile_cpu" if args.cpu else "step_profile", args.out, batch=args.batch,
-           steps=args.steps, device=device.description, systems=results)
+           steps=args.steps, steps_per_call=k, device=device.description, systems=results)
 
 
 if __name__ == "__main__":

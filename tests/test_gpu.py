@@ -189,6 +189,9 @@ def test_the_exchange_bench_checks_the_n_way_kernel_on_one_gpu(tmp_path):
         assert result["workers"] == len(gpus) and result["timed"] == (len(gpus) == 1)
         assert all(r["stream_exchange_checked"] for r in result["rows"])
         assert all(r.get("nccl_checked", True) for r in result["rows"])
+        timed = [key in r for r in result["rows"] for key in ("stream_exchange_graph_us",
+                                                              "nccl_graph_us")]
+        assert all(timed) if result["timed"] else not any(timed)
         print(out.stdout.strip().splitlines()[-3:])
 
 
