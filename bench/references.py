@@ -258,9 +258,13 @@ def jax_trainer(x, y, batch, hyper, steps_per_call=1):
                    error, reset, world, n_batches)
 
 
-def pytensor_trainer(dataset, batch, hyper, steps_per_call=1):
+def pytensor_trainer(dataset, batch, hyper, steps_per_call=1, written_out=False):
     """The demo's own step on this process's one GPU, at its best (see the
-    module's text); the programs of k steps each compiled on first use."""
+    module's text); the programs of k steps each compiled on first use.
+    ``written_out``: an optimization barrier after each step, where the
+    exchange stands in the GPU-ordered step, so that XLA must write every
+    parameter out before the next step, as it must for any exchange
+    (``bench/step_cost.py``)."""
     import jax
     import jax.numpy as jnp
     import theano_flags  # noqa: F401  (float32, as the scripts run)
@@ -275,7 +279,8 @@ def pytensor_trainer(dataset, batch, hyper, steps_per_call=1):
     n = model.n_train_batches
 
     def one(data, counter, params):
-        return counter + 1, train(counter % n, data, params)[1]
+        new = train(counter % n, data, params)[1]
+        return counter + 1, jax.lax.optimization_barrier(new) if written_out else new
     programs = {}
     errors = jax.jit(error_rate)
     initial = [jnp.array(storage(p)) for p in model.params]

@@ -197,7 +197,7 @@ def test_step_profile_cpu_times_both_steps_and_names_their_kernels(tmp_path):
         assert times == sorted(times, reverse=True) and times[-1] > 0
 
 
-def test_step_cost_cpu_times_the_plain_and_the_gpu_ordered_step_and_counts_the_exchanges(
+def test_step_cost_cpu_times_the_plain_written_out_and_gpu_ordered_steps_and_counts_exchanges(
         tmp_path):
     """On the CPU the exchange is a host echo (no kernels): the script's run of
     dual_mlp.GpuOrdered, its figures and the once-a-step count are what is tested."""
@@ -206,11 +206,12 @@ def test_step_cost_cpu_times_the_plain_and_the_gpu_ordered_step_and_counts_the_e
     result = json.loads((tmp_path / "step_cost_cpu.json").read_text())
     assert result["command"].startswith("python bench/step_cost.py") and result["target"] == 1.15
     seen = {(f["system"], f["steps_per_call"]): f for f in result["figures"]}
-    assert set(seen) == {(s, k) for s in ("plain step", "GPU-ordered step, loopback")
-                         for k in (1, 10)}
+    assert set(seen) == {(s, k) for s in ("plain step", "plain step, written out",
+                                          "GPU-ordered step, loopback") for k in (1, 10)}
     for k in (1, 10):
         ordered, plain = seen["GPU-ordered step, loopback", k], seen["plain step", k]
         assert ordered["exchange_steps"] == ordered["steps_run"] >= 40
-        assert ordered["over_plain"] == ordered["step_us"] / plain["step_us"]
+        for other in (ordered, seen["plain step, written out", k]):
+            assert other["over_plain"] == other["step_us"] / plain["step_us"]
         assert plain["step_us"] > 0 and plain["host_us_per_step"] > 0
     assert "| 100 | 10 |" in out.stdout
