@@ -112,6 +112,16 @@ def measure(run, wait, host, steps_per_call, min_steps):
     return 1e6 * (time.perf_counter() - start) / steps, 1e6 * (host() - host_before) / steps
 
 
+def figure(system, batch, k, timing, plain=None, **more):
+    """One row of step_cost.json: ``timing`` as ``measure`` returns it, its
+    ratio to the ``plain`` row's step, and ``more``."""
+    us, host_us = timing
+    row = dict(system=system, batch=batch, steps_per_call=k, step_us=us, host_us_per_step=host_us)
+    if plain:
+        row["over_plain"] = us / plain["step_us"]
+    return dict(row, **more)
+
+
 def main():
     import datasets
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -138,23 +148,17 @@ def main():
         model = mlp.Model(data, batch, mode="JAX")
         model.warm_up(put=device.put)
         for k in sorted({min(k, model.n_train_batches) for k in ks}):
-            run, wait, host = plain_step(args.dataset, batch, k)
-            plain_us, plain_host_us = measure(run, wait, host, k, args.steps)
-            plain = dict(system="plain step", batch=batch, steps_per_call=k, step_us=plain_us,
-                         host_us_per_step=plain_host_us)
-            run, wait, host = plain_step(args.dataset, batch, k, written_out=True)
-            out_us, out_host_us = measure(run, wait, host, k, args.steps)
-            written = dict(system="plain step, written out", batch=batch, steps_per_call=k,
-                           step_us=out_us, host_us_per_step=out_host_us,
-                           over_plain=out_us / plain_us)
+            plain = figure("plain step", batch, k,
+                           measure(*plain_step(args.dataset, batch, k), k, args.steps))
+            written = figure("plain step, written out", batch, k,
+                             measure(*plain_step(args.dataset, batch, k, written_out=True), k,
+                                     args.steps), plain)
             run, wait, host, trainer = gpu_ordered_step(model, device, k, args.cpu)
-            ordered_us, ordered_host_us = measure(run, wait, host, k, args.steps)
-            ordered = dict(system="GPU-ordered step, loopback", batch=batch, steps_per_call=k,
-                           step_us=ordered_us, host_us_per_step=ordered_host_us,
-                           over_plain=ordered_us / plain_us,
-                           exchange_steps=trainer.exchange.steps_done(),
-                           steps_run=trainer.steps,
-                           exchange_callbacks=trainer.exchange.callbacks)
+            ordered = figure("GPU-ordered step, loopback", batch, k,
+                             measure(run, wait, host, k, args.steps), plain,
+                             exchange_steps=trainer.exchange.steps_done(),
+                             steps_run=trainer.steps,
+                             exchange_callbacks=trainer.exchange.callbacks)
             trainer.exchange.close()
             if ordered["exchange_steps"] != ordered["steps_run"]:
                 sys.exit(f"step_cost.py: error: the exchange counted {ordered['exchange_steps']} "
