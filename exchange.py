@@ -43,7 +43,7 @@ import time
 import numpy as np
 import zmq
 
-from launcher import Interrupted, stopped_workers
+from launcher import Interrupted, quit_now, stopped_workers
 
 
 class PeerError(Exception):
@@ -370,7 +370,7 @@ def deadline(seconds, message):
     ``seconds``: for blocking start-up calls that no signal interrupts."""
     def expire():
         print(message, file=sys.stderr, flush=True)
-        os._exit(1)
+        quit_now(1)
     timer = threading.Timer(seconds, expire)
     timer.daemon = True
     timer.start()

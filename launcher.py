@@ -597,6 +597,14 @@ class Watchdog:
         self.wakeup, writer = os.pipe()
         os.set_blocking(writer, False)
         signal.set_wakeup_fd(writer)
+        # The heartbeat file is made once, here, and only touched after: made
+        # again while another worker removes the run folder, it would leave
+        # the folder there when the last worker goes without removing it
+        # (JAX's runtime ends the others once one has gone).
+        try:
+            open(heartbeat_path(rundir, rank), "w").close()
+        except OSError:
+            pass  # the folder is gone already: the watch below ends us
         threading.Thread(target=self._watch, daemon=True).start()
 
     def alive(self):
@@ -618,9 +626,9 @@ class Watchdog:
                 stopping.signum = stopping.signum or signum
             now = time.monotonic()
             try:
-                os.utime(beat) if os.path.exists(beat) else open(beat, "w").close()
+                os.utime(beat)
             except OSError:
-                pass
+                pass  # removed with the run folder
             if os.getppid() != self.parent:
                 quit_now(128 + signal.SIGTERM)  # the launcher is gone
             if stopping.is_set():
