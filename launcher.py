@@ -16,6 +16,7 @@ where it cannot notice (inside a call into XLA, behind a GPU that waits on
 a peer that is gone).  ``fault_point`` is the fault tests' hook.
 """
 import collections
+import contextlib
 import ctypes
 import importlib.util
 import itertools
@@ -510,7 +511,7 @@ def launch(args, script, rundir):
                 # the cause first: a worker killed by a signal, then one that said what went
                 # wrong in our own words; the others' errors may only follow from theirs
                 failed.sort(key=lambda w: (w.proc.returncode > 0, not w.said_why()))
-                if any(w.proc.returncode == -signal.SIGPIPE for w in failed):
+                if any(w.proc.returncode == 128 + signal.SIGPIPE for w in failed):
                     return 128 + signal.SIGPIPE  # stdout was closed: end as quietly
                 if all(w.proc.returncode in (130, 143) for w in failed):
                     stopping.signum = failed[0].proc.returncode - 128  # Ctrl-C reached them first
@@ -703,7 +704,8 @@ def quit_now(code):
     if RUN_FOLDER and (stopping.is_set() or os.getppid() != LAUNCHER):
         shutil.rmtree(RUN_FOLDER, ignore_errors=True)
     release_stdout()
-    sys.stderr.flush()
+    with contextlib.suppress(OSError):  # the launcher's end is closed
+        sys.stderr.flush()
     os._exit(code)
 
 
@@ -727,7 +729,10 @@ def keep_stdout_clean(rank, rundir):
     def forward():
         for line in os.fdopen(reader, "rb"):
             if not line.startswith(b"[Gloo]"):
-                os.write(terminal, line)
+                try:
+                    os.write(terminal, line)
+                except BrokenPipeError:  # python dual_mlp.py | head: end as head expects
+                    os._exit(128 + signal.SIGPIPE)
     FORWARD = threading.Thread(target=forward, daemon=True)
     FORWARD.start()
 
@@ -747,6 +752,10 @@ def run_worker(work, index, rundir, one_line_errors):
     traceback."""
     global RUN_FOLDER, LAUNCHER
     RUN_FOLDER = rundir
+    # Our error output is a pipe to the launcher: once it is gone, a write
+    # there (JAX's runtime logs as its peers go) must not end us by SIGPIPE
+    # before we have removed the run folder.
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     die_with_parent()
     try:
         with open(os.path.join(rundir, "config.json")) as f:

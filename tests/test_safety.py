@@ -99,6 +99,27 @@ def test_a_launcher_killed_at_any_moment_of_start_up_leaves_no_worker_and_no_fol
                  f"the run folder of a launcher killed after {delay} s to go")
 
 
+def ignores_sigpipe(pid):
+    mask = re.search(r"SigIgn:\s*([0-9a-f]+)", open(f"/proc/{pid}/status").read())[1]
+    return bool(int(mask, 16) >> (signal.SIGPIPE - 1) & 1)
+
+
+def test_a_workers_write_to_a_dead_launchers_pipe_fails_instead_of_ending_it(no_leftovers):
+    """A worker's error output is a pipe to its launcher.  Once the launcher
+    is gone, a write there (JAX's runtime logs as its peers go) must not end
+    the worker by SIGPIPE before it has removed the run folder: a launcher
+    killed at the wrong moment left its folder so, in CI.  The launcher
+    itself still ends on a closed pipe, as ``head`` expects."""
+    proc = start_dual("cpu", "cpu", "--epochs", 1000)
+    wait_until_training(proc)
+    try:
+        assert [ignores_sigpipe(w.pid) for w in workers_of(proc)] == [True, True]
+        assert not ignores_sigpipe(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        finish(proc, timeout=15)
+
+
 def listening(processes):
     found = []
     for p in processes:
