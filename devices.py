@@ -206,10 +206,11 @@ def nvcc():
     return shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
 
 
-def jax_train_step(model):
+def jax_train_step(model, gradients=False):
     """The model's PyTensor-compiled training step as a JAX function
     ``train(index, data, params) -> cost, new_params``, and the ``data`` it
-    reads (the training set, on the device).
+    reads (the training set, on the device); with ``gradients``, the same
+    step without its update, ``-> cost, gradients`` (``gradient_model``).
 
     PyTensor's JAX backend jits the whole graph; its jitted callable
     (``Function.vm.jit_fn``) takes the inputs of the function's graph in
@@ -217,14 +218,16 @@ def jax_train_step(model):
     weights) and returns the outputs, then the updated shared values.  Called
     inside another jitted program, it lets the exchange and several steps
     join the tutorial's own step in one compiled program."""
-    f = model.train_model
+    f = model.gradient_model() if gradients else model.train_model
     inputs = [i.variable for i in f.maker.inputs]          # index, data, params, in its order
     updated = [i.variable for i in f.maker.inputs if i.update is not None]
     data_vars = [v for v in inputs[1:] if v not in model.params]
 
     def train(index, data, params):
         value = dict(zip(data_vars, data)) | dict(zip(model.params, params))
-        cost, *new = f.vm.jit_fn(index, *[value[v] for v in inputs[1:]])
-        new = dict(zip(updated, new))
+        cost, *more = f.vm.jit_fn(index, *[value[v] for v in inputs[1:]])
+        if gradients:
+            return cost, more
+        new = dict(zip(updated, more))
         return cost, [new[p] for p in model.params]
     return train, [storage(v) for v in data_vars]

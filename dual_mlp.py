@@ -29,9 +29,12 @@ What changed since 2014 is who orders these steps (``--sync``):
          zmq messages: the 2014 loop, and the only way on CPUs;
   gpu    steps 2-6 are one kernel on the GPU's own stream, at the end of the
          compiled training step, and the signals are counters each GPU writes
-         into the others' memory (stream_exchange.py).  The host only queues
-         calls of K steps (``--steps-per-call``), so it runs ahead while the
-         GPUs compute.
+         into the others' memory (stream_exchange.py).  The step hands the
+         kernel its gradients, and the kernel applies the SGD update as it
+         publishes: left to XLA, the update would write every weight once
+         more, in kernels of its own, just before the exchange reads them.
+         The host only queues calls of K steps (``--steps-per-call``), so it
+         runs ahead while the GPUs compute.
 
 Several machines, or more GPUs than two by default, average with
 ``--exchange xla``: the compiled step ends in a ``pmean`` over all workers
@@ -417,14 +420,14 @@ class GpuOrdered(DeviceOrdered):
 
         super().__init__(rank, model, peer, check, watchdog, steps_per_call)
         model.warm_up(put=device.put)
-        train, self.data = devices.jax_train_step(model)
-        self.exchange = StreamExchange(rank, world, Layout.of(model.params))
+        gradients, self.data = devices.jax_train_step(model, gradients=True)
+        self.exchange = StreamExchange(rank, world, Layout.of(model.params), model.learning_rate)
         n_steps = model.n_train_batches // world
 
         def step(data, counter, *params):
             index = world * (counter % n_steps) + rank           # this worker's minibatch
-            _, new = train(index, data, list(params))            # 1. train
-            return counter + 1, *self.exchange(new)              # 2.-6. publish ... average
+            _, g = gradients(index, data, list(params))          # 1. train: the gradients
+            return counter + 1, *self.exchange(params, g)        # 2.-6. update as it publishes
 
         self.one_step = step
         # copies: the model's own weights stay for validation

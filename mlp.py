@@ -90,7 +90,11 @@ class Model:
     * ``train_model(i)``: one SGD step on minibatch ``i``, returns the cost
       ``NLL + L1_reg * L1 + L2_reg * L2_sqr``;
     * ``validate_model()``, ``test_model()``: error rate on the whole
-      validation or test set.
+      validation or test set;
+    * ``gradient_model()``, compiled when first asked for: the same step
+      without its update, returning the cost and the gradients, for a
+      trainer that applies ``param - learning_rate * gradient`` itself
+      (``dual_mlp.py --sync gpu``: the exchange kernel, as it publishes).
     """
 
     def __init__(self, data, batch_size, n_hidden=500, learning_rate=0.01, L1_reg=0.0,
@@ -115,14 +119,19 @@ class Model:
         updates = [(param, param - learning_rate * gparam)
                    for param, gparam in zip(classifier.params, gparams)]
 
-        self.train_model = pytensor.function(
-            [index], cost, updates=updates, mode=mode,
-            givens={x: minibatch(train_x, index, batch_size),
-                    y: minibatch(train_y, index, batch_size)})
+        givens = {x: minibatch(train_x, index, batch_size),
+                  y: minibatch(train_y, index, batch_size)}
+        self.train_model = pytensor.function([index], cost, updates=updates, mode=mode,
+                                             givens=givens)
+        self.learning_rate = learning_rate
+        self._gradients = dict(inputs=[index], outputs=[cost, *gparams], givens=givens, mode=mode)
         self.validate_model = pytensor.function([], classifier.errors(y), mode=mode,
                                                 givens={x: valid_x, y: valid_y})
         self.test_model = pytensor.function([], classifier.errors(y), mode=mode,
                                             givens={x: test_x, y: test_y})
+
+    def gradient_model(self):
+        return pytensor.function(**self._gradients)
 
     def get_params(self):
         return [np.array(p.get_value()) for p in self.params]

@@ -28,13 +28,25 @@ w: it writes this block's flag into worker w's memory and waits on worker
 w's flag in ours, all N at once.  For step t, block b::
 
     begin    t = ++step[b]                                     (local)
-    publish  my new weights -> my send[t % 2]                    (local)
+    publish  my weights w - rate * g -> my send[t % 2]            (local)
     signal   published[b][rank] = t in every worker's flags (a release store);
              wait until every worker's published[b][w] = t here
     reduce   weights = (send_0[t % 2] + ... + send_N-1[t % 2]) / N, summed in
              rank order on every GPU, so the replicas stay bit-identical
              (N - 1 of the N reads over NVLink)
     end      done[b] = t, in host memory
+
+``publish`` applies the tutorial's SGD update on its way: the step hands
+the kernel the weights it began with and their gradients
+(``mlp.Model.gradient_model``), and a worker publishes ``w - rate * g``,
+rounded as PyTensor's graph rounds it.  The mean is then the 2014 demo's:
+each worker's weights after its own step.  Left to XLA, the update is a
+kernel of its own per parameter that writes every weight once more just
+before the exchange reads it (with no exchange between two steps, XLA fuses
+the update into the next step's first kernels; an exchange stands in the
+way): 1 us a step at batch 100 on an H200.  Without gradients
+(``bench/exchange.py``) the kernel is an all-reduce of the weights as
+they are.
 
 The 2014 loop's second signal, "copied", is not needed: why nothing can
 deadlock or be overwritten while read.  Each GPU runs its kernels in stream
@@ -99,22 +111,26 @@ class Segments(ctypes.Structure):
     """``struct Segments`` of ``KERNELS``: the weights' buffers, where each
     starts in the flat layout, and how they are cut into chunks."""
     _fields_ = [("data", ctypes.c_void_p * MAX_SEGMENTS),
+                ("gradient", ctypes.c_void_p * MAX_SEGMENTS),
                 ("start", ctypes.c_longlong * MAX_SEGMENTS),
                 ("length", ctypes.c_longlong * MAX_SEGMENTS),
                 ("width", ctypes.c_int * MAX_SEGMENTS),
                 ("chunks_end", ctypes.c_longlong * MAX_SEGMENTS), ("count", ctypes.c_int)]
 
     @classmethod
-    def of(cls, buffers):
-        """From [(device address, number of floats)] in the layout's order.
-        The chunks depend on the layout only, never on an address, so that
-        block b of every GPU handles the same elements."""
+    def of(cls, buffers, gradients=()):
+        """From [(device address, number of floats)] in the layout's order,
+        and the device addresses of their gradients (none: no update, an
+        all-reduce of the weights as they are).  The chunks depend on the
+        layout only, never on an address, so that block b of every GPU
+        handles the same elements."""
         segments = cls(count=len(buffers))
         start = chunks = 0
         for i, (address, n) in enumerate(buffers):
             width = WIDTH if start % WIDTH == 0 else 1  # a 16-byte chunk must start on 16 bytes
             chunks += -(-n // width)
             segments.data[i], segments.start[i], segments.length[i] = address, start, n
+            segments.gradient[i] = gradients[i] if gradients else None
             segments.width[i], segments.chunks_end[i] = width, chunks
             start += n
         return segments
@@ -148,12 +164,13 @@ struct Peers {
 };
 
 // The weights the step trains, as XLA holds them: one buffer per parameter,
-// in the layout's order.  Each is cut into chunks of ``width`` floats (4, or
+// in the layout's order, and each one's gradient (null: none, no update).  Each is cut into chunks of ``width`` floats (4, or
 // 1 where the segment does not start on 16 bytes of the flat layout; its
 // last chunk may be short), numbered across the segments: thread q of the
 // grid moves chunks q, q + GRID * BLOCK, ...  Passed by value.
 struct Segments {
     float *data[MAX_SEGMENTS];
+    const float *gradient[MAX_SEGMENTS];
     long long start[MAX_SEGMENTS];           // where it begins in the flat layout (send slots)
     long long length[MAX_SEGMENTS];
     int width[MAX_SEGMENTS];
@@ -164,6 +181,7 @@ struct Segments {
 // Up to four consecutive floats of one parameter: what a thread moves at once.
 struct Chunk {
     float *weights;                          // in XLA's buffer
+    const float *gradient;                   // the same floats' gradient, or null
     long long flat;                          // the same floats' index in a send slot
     int count;
 };
@@ -206,7 +224,8 @@ __device__ void wait_for(const int *counter, int t) {
 __device__ Chunk chunk(const Segments &w, int &s, long long q) {
     while (q >= w.chunks_end[s]) ++s;
     const long long offset = (q - (s ? w.chunks_end[s - 1] : 0)) * w.width[s];
-    return {w.data[s] + offset, w.start[s] + offset,
+    return {w.data[s] + offset, w.gradient[s] ? w.gradient[s] + offset : nullptr,
+            w.start[s] + offset,
             (int)min((long long)w.width[s], w.length[s] - offset)};
 }
 
@@ -239,9 +258,22 @@ __device__ float4 operator/(float4 a, float n) {
     return make_float4(a.x / n, a.y / n, a.z / n, a.w / n);
 }
 
+// The tutorial's SGD update, w - rate * g, rounded as PyTensor's graph
+// rounds it: a product, then a difference (no fused multiply-add).
+__device__ float4 updated(float4 w, float4 g, float rate) {
+    return make_float4(__fsub_rn(w.x, __fmul_rn(rate, g.x)), __fsub_rn(w.y, __fmul_rn(rate, g.y)),
+                       __fsub_rn(w.z, __fmul_rn(rate, g.z)), __fsub_rn(w.w, __fmul_rn(rate, g.w)));
+}
+
+// What a worker publishes of a chunk: its weights after this step's update.
+__device__ float4 published_chunk(const Chunk &c, float rate) {
+    const float4 w = load(c.weights, c.count);
+    return c.gradient ? updated(w, load(c.gradient, c.count), rate) : w;
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK)
 exchange(const Peers peers, int rank, int n_workers, Flags *mine, float *own,
-         const Segments weights, long long slot_floats, volatile unsigned *done) {
+         const Segments weights, float rate, long long slot_floats, volatile unsigned *done) {
     // mine, own: peers.flags[rank] and peers.send[rank], passed apart (see pick)
     const int b = blockIdx.x, me = threadIdx.x;  // threads me < N: one each for worker me
     const long long chunks = weights.chunks_end[weights.count - 1],
@@ -252,7 +284,7 @@ exchange(const Peers peers, int rank, int n_workers, Flags *mine, float *own,
     int s = 0;                                                    // store the chunk)
     for (long long q = first; q < chunks; q += stride) {          // publish
         const Chunk c = chunk(weights, s, q);
-        store(published + c.flat, load(c.weights, c.count), c.count);
+        store(published + c.flat, published_chunk(c, rate), c.count);
     }
     __syncthreads();                                              // every thread has read t
     if (me == 0) mine->step[b] = t;
@@ -286,12 +318,13 @@ class StreamExchange:
     """One worker's side of the GPU-ordered exchange (see the module's text).
 
     ``handle()`` / ``connect(handles)`` swap the IPC handles once, over the
-    zmq link; ``__call__(new)``, inside a jitted function, takes this step's
-    new parameters and returns the average of every worker's, written over
-    them, so that with the step's inputs donated their buffers, and the
-    captured launch, stay the same."""
+    zmq link; ``__call__(params, gradients)``, inside a jitted function,
+    takes the step's parameters and their gradients and returns the average
+    of every worker's ``params - rate * gradients``, written over
+    ``params``, so that with the step's inputs donated their buffers, and
+    the captured launch, stay the same."""
 
-    def __init__(self, rank, n_workers, layout):
+    def __init__(self, rank, n_workers, layout, rate=0.0):
         import pycuda.driver as drv
         from cuda.bindings import driver as cu
         from pycuda.compiler import compile as compile_cuda
@@ -301,7 +334,7 @@ class StreamExchange:
         if n_workers > MAX_WORKERS:
             raise ValueError(f"the GPU-ordered exchange joins at most {MAX_WORKERS} workers")
         self.cu, self.drv, self.layout = cu, drv, layout
-        self.rank, self.n_workers = rank, n_workers
+        self.rank, self.n_workers, self.rate = rank, n_workers, rate
         major, minor = drv.Device(0).compute_capability()
         cubin = compile_cuda(kernel_source(), nvcc=nvcc(), arch=f"sm_{major}{minor}",
                              no_extern_c=True)
@@ -344,30 +377,33 @@ class StreamExchange:
         for w, (send, flags) in enumerate(buffers):
             self.peers.send[w], self.peers.flags[w] = int(send), int(flags)
 
-    def __call__(self, new):
+    def __call__(self, params, gradients):
         import jax
         from jax.experimental.buffer_callback import buffer_callback
         return buffer_callback(self._enqueue, [jax.ShapeDtypeStruct(p.shape, p.dtype)
-                                               for p in new],
+                                               for p in params],
                                has_side_effect=False,
-                               input_output_aliases={i: i for i in range(len(new))},
-                               command_buffer_compatible=True)(*new)
+                               input_output_aliases={i: i for i in range(len(params))},
+                               command_buffer_compatible=True)(*params, *gradients)
 
-    def _enqueue(self, ctx, out, *_new):  # _new: the same buffers as out
+    def _enqueue(self, ctx, out, *inputs):  # inputs: params (the same buffers as out), gradients
         """XLA's callback: enqueue one step's exchange on ``ctx.stream``.
         Runs only when XLA captures the launch (once per program)."""
         self.callbacks += 1
-        self.launch(ctx.stream, [(address(p), n) for p, n in zip(out, self.layout.sizes)])
+        self.launch(ctx.stream, [(address(p), n) for p, n in zip(out, self.layout.sizes)],
+                    [address(g) for g in inputs[len(out):]])
 
-    def launch(self, stream, buffers):
+    def launch(self, stream, buffers, gradients=()):
         """Enqueue the kernel on ``stream`` (a raw handle) for the weights in
-        ``buffers``, [(device address, number of floats)], at most the layout's."""
+        ``buffers``, [(device address, number of floats)], at most the
+        layout's, updated by the ``gradients`` at those device addresses
+        (none: the mean of the weights as they are)."""
         if self.peers is None:
             raise RuntimeError("the exchange was launched before connect() or loopback()")
         args = [self.peers, ctypes.c_int(self.rank), ctypes.c_int(self.n_workers),
                 ctypes.c_void_p(self.peers.flags[self.rank]),
-                ctypes.c_void_p(self.peers.send[self.rank]), Segments.of(buffers),
-                ctypes.c_longlong(self.slot),
+                ctypes.c_void_p(self.peers.send[self.rank]), Segments.of(buffers, gradients),
+                ctypes.c_float(self.rate), ctypes.c_longlong(self.slot),
                 ctypes.c_void_p(int(self.done.base.get_device_pointer()))]
         pointers = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         checked(self.cu.cuLaunchKernel(self._kernel, GRID, 1, 1, BLOCK, 1, 1, 0,

@@ -57,19 +57,25 @@ def plain_step(dataset, batch, steps_per_call, written_out=False):
 
 class HostEcho:
     """``--cpu``'s stand-in for ``StreamExchange``: a callback on the host that
-    hands back the weights it is given, as a peer with the same weights would."""
+    updates the weights it is given, as the mean with a peer that holds the
+    same weights and gradients would be."""
 
-    def __init__(self, rank, n_workers, layout):
-        self.count = self.callbacks = 0
+    def __init__(self, rank, n_workers, layout, rate):
+        self.rate, self.count, self.callbacks = rate, 0, 0
 
-    def __call__(self, new):
+    def __call__(self, params, gradients):
         import jax
         from jax.experimental.buffer_callback import buffer_callback
-        return buffer_callback(self._echo, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in new],
-                               has_side_effect=False,
-                               input_output_aliases={i: i for i in range(len(new))})(*new)
+        return buffer_callback(self._echo, [jax.ShapeDtypeStruct(p.shape, p.dtype)
+                                            for p in params], has_side_effect=False,
+                               input_output_aliases={i: i for i in range(len(params))})(
+                                   *params, *gradients)
 
-    def _echo(self, ctx, out, *new):  # out is new: the weights stay as they are
+    def _echo(self, ctx, out, *inputs):  # out: the params, in place
+        import numpy as np
+        for w, g in zip(out, inputs[len(out):]):
+            w = np.from_dlpack(w)
+            w -= np.float32(self.rate) * np.from_dlpack(g)
         self.count += 1
         self.callbacks += 1
 

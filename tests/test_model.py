@@ -149,11 +149,11 @@ def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_wei
     class EchoExchange:
         callbacks = 0
 
-        def __init__(self, rank, n_workers, layout):
-            pass
+        def __init__(self, rank, n_workers, layout, rate):
+            self.rate = rate
 
-        def __call__(self, new):
-            return new
+        def __call__(self, params, gradients):
+            return [p - self.rate * g for p, g in zip(params, gradients)]
 
     monkeypatch.setattr(stream_exchange, "StreamExchange", EchoExchange)
     device = JaxDevice()
@@ -204,15 +204,16 @@ def test_gpu_ordered_programs_are_compiled_before_the_first_epoch(monkeypatch):
     class CountingEcho:
         callbacks = 0
 
-        def __init__(self, rank, n_workers, layout):
+        def __init__(self, rank, n_workers, layout, rate):
             self.steps = 0
 
-        def __call__(self, new):
+        def __call__(self, params, gradients):
             return buffer_callback(self.count, [jax.ShapeDtypeStruct(p.shape, p.dtype)
-                                                for p in new], has_side_effect=False,
-                                   input_output_aliases={i: i for i in range(len(new))})(*new)
+                                                for p in params], has_side_effect=False,
+                                   input_output_aliases={i: i for i in range(len(params))})(
+                                       *params, *gradients)
 
-        def count(self, ctx, out, *new):
+        def count(self, ctx, out, *inputs):
             self.steps += 1
 
         def steps_done(self):
