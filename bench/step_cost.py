@@ -22,12 +22,15 @@ On one device, at batch 100, 500 and 5000 and at 1 and K steps per call:
   stand-in that runs the same trainer.
 
 Each is warmed up, then timed over at least ``--steps`` steps with one wait
-at the end; the host's time inside the calls says which of host and device
-sets the pace.  The exchange's own step counter must equal the steps run
+at the end, ``--rounds`` times, the three systems taking turns (what drifts
+on the host during a run reaches all three alike): each figure is the
+median of its rounds.  The host's time inside the calls says which of host
+and device sets the pace.  The exchange's own step counter must equal the steps run
 (it ran once a step).  Target: the GPU-ordered step within 1.15x of the plain
 step at every batch.  Writes ``step_cost.json`` (``step_cost_cpu.json``).
 """
 import argparse
+import statistics
 import sys
 import time
 
@@ -106,10 +109,7 @@ def gpu_ordered_step(model, device, steps_per_call, cpu):
 
 
 def measure(run, wait, host, steps_per_call, min_steps):
-    """(us per step, us of host time per step inside the calls): two calls to
-    warm up (the first compiles or captures), then timed."""
-    run(2)
-    wait()
+    """(us per step, us of host time per step inside the calls)."""
     calls = max(2, -(-min_steps // steps_per_call))
     host_before, start = host(), time.perf_counter()
     run(calls)
@@ -118,13 +118,15 @@ def measure(run, wait, host, steps_per_call, min_steps):
     return 1e6 * (time.perf_counter() - start) / steps, 1e6 * (host() - host_before) / steps
 
 
-def figure(system, batch, k, timing, plain=None, **more):
-    """One row of step_cost.json: ``timing`` as ``measure`` returns it, its
-    ratio to the ``plain`` row's step, and ``more``."""
-    us, host_us = timing
-    row = dict(system=system, batch=batch, steps_per_call=k, step_us=us, host_us_per_step=host_us)
+def figure(system, batch, k, rounds, plain=None, **more):
+    """One row of step_cost.json: the medians of ``rounds``, each as
+    ``measure`` returns it, their ratio to the ``plain`` row's step, and ``more``."""
+    row = dict(system=system, batch=batch, steps_per_call=k,
+               step_us=statistics.median(us for us, _ in rounds),
+               host_us_per_step=statistics.median(host for _, host in rounds),
+               step_us_rounds=[us for us, _ in rounds])
     if plain:
-        row["over_plain"] = us / plain["step_us"]
+        row["over_plain"] = row["step_us"] / plain["step_us"]
     return dict(row, **more)
 
 
@@ -137,10 +139,15 @@ def main():
     parser.add_argument("--steps-per-call", type=int, nargs="+", default=None,
                         help="K values, each at most an epoch (default: 1 and the demo's "
                              "default)")
-    parser.add_argument("--steps", type=int, default=2000, help="timed steps, at least")
+    parser.add_argument("--steps", type=int, default=2000,
+                        help="timed steps of a round, at least")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds, the systems taking turns; each figure is the median")
     parser.add_argument("--cpu", action="store_true", help="on the CPU, a small subset (CI)")
     parser.add_argument("--out", default=RESULTS, help="folder for step_cost.json")
     args = parse_args(parser, table)
+    if args.rounds < 1 or args.steps < 1:
+        parser.error("--rounds and --steps must be at least 1")
     if args.cpu:
         args.batches, args.steps = [100], min(args.steps, 40)
     device = one_device(args.cpu)
@@ -154,14 +161,18 @@ def main():
         model = mlp.Model(data, batch, mode="JAX")
         model.warm_up(put=device.put)
         for k in sorted({min(k, model.n_train_batches) for k in ks}):
-            plain = figure("plain step", batch, k,
-                           measure(*plain_step(args.dataset, batch, k), k, args.steps))
-            written = figure("plain step, written out", batch, k,
-                             measure(*plain_step(args.dataset, batch, k, written_out=True), k,
-                                     args.steps), plain)
-            run, wait, host, trainer = gpu_ordered_step(model, device, k, args.cpu)
-            ordered = figure("GPU-ordered step, loopback", batch, k,
-                             measure(run, wait, host, k, args.steps), plain,
+            *ordered_step, trainer = gpu_ordered_step(model, device, k, args.cpu)
+            systems = [plain_step(args.dataset, batch, k),
+                       plain_step(args.dataset, batch, k, written_out=True), ordered_step]
+            for run, wait, _ in systems:  # warm: the first call compiles or captures
+                run(2)
+                wait()
+            rounds = [[measure(*system, k, args.steps) for system in systems]
+                      for _ in range(args.rounds)]
+            plain, written, ordered = zip(*rounds)
+            plain = figure("plain step", batch, k, plain)
+            written = figure("plain step, written out", batch, k, written, plain)
+            ordered = figure("GPU-ordered step, loopback", batch, k, ordered, plain,
                              exchange_steps=trainer.exchange.steps_done(),
                              steps_run=trainer.steps,
                              exchange_callbacks=trainer.exchange.callbacks)
@@ -178,11 +189,12 @@ def main():
     device.close()
     path = record("step_cost_cpu" if args.cpu else "step_cost", args.out,
                   device=device.description, dataset=args.dataset, target=TARGET,
+                  rounds=args.rounds,
                   within_target=all(f["over_plain"] <= TARGET for f in figures
                                     if f["system"] == "GPU-ordered step, loopback"),
                   figures=figures)
     print(table(dict(command=" ".join(sys.argv), device=device.description, figures=figures,
-                     date=time.strftime("%Y-%m-%d"))))
+                     rounds=args.rounds, date=time.strftime("%Y-%m-%d"))))
     return path
 
 
@@ -191,9 +203,11 @@ def table(document):
     figures = document["figures"]
     rows = sorted({(f["batch"], f["steps_per_call"]) for f in figures})
     by = {(f["system"], f["batch"], f["steps_per_call"]): f for f in figures}
+    rounds = (f", the median of {document['rounds']} rounds in turn (the range of the step's)"
+              if "rounds" in document else "")
     lines = [f"Measured by `{document['command']}` on {document['date'][:10]} "
-             f"({document['device']}): us per step (of it, us of host time), and its ratio "
-             "to the plain step.", "",
+             f"({document['device']}): us per step (of it, us of host time){rounds}, and its "
+             "ratio to the plain step.", "",
              "| batch | steps per call | plain step | plain step, written out | "
              "GPU-ordered, loopback |", "| --- | --- | --- | --- | --- |"]
 
@@ -201,7 +215,9 @@ def table(document):
         if f is None:
             return "not run"
         ratio = f" {f['over_plain']:.3f}x" if "over_plain" in f else ""
-        return f"{f['step_us']:.1f} ({f['host_us_per_step']:.1f}){ratio}"
+        spread = (f" [{min(f['step_us_rounds']):.1f}-{max(f['step_us_rounds']):.1f}]"
+                  if "step_us_rounds" in f else "")
+        return f"{f['step_us']:.1f} ({f['host_us_per_step']:.1f}){spread}{ratio}"
     for batch, k in rows:
         lines.append(f"| {batch} | {k} | " + " | ".join(
             cell(by.get((system, batch, k))) for system in

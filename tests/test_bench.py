@@ -214,4 +214,7 @@ def test_step_cost_cpu_times_the_plain_written_out_and_gpu_ordered_steps_and_cou
         for other in (ordered, seen["plain step, written out", k]):
             assert other["over_plain"] == other["step_us"] / plain["step_us"]
         assert plain["step_us"] > 0 and plain["host_us_per_step"] > 0
+    for f in result["figures"]:  # each figure the median of its rounds, the systems in turn
+        assert len(f["step_us_rounds"]) == result["rounds"] == 5
+        assert f["step_us"] == sorted(f["step_us_rounds"])[2]
     assert "| 100 | 10 |" in out.stdout
