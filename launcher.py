@@ -565,11 +565,14 @@ def stop_point(rank, where):
     fault_point(rank, where)
 
 
+FAULT = os.environ.get("DUAL_MLP_FAULT", "").split(":")  # read once: it is on every step's path
+
+
 def fault_point(rank, where):
     """The fault tests' hook: DUAL_MLP_FAULT=RANK:WHERE:HOW makes worker RANK
     fail on reaching WHERE (start, train, exchange) by HOW (raise, oom, kill,
     or hint: an error whose message ends in a hint line, as PyTensor's do)."""
-    spec = os.environ.get("DUAL_MLP_FAULT", "").split(":")
+    spec = FAULT
     if spec[:2] != [str(rank), where]:
         return
     if spec[2] == "kill":

@@ -127,9 +127,17 @@ def leftover_workers():
     return found
 
 
+def run_folders():
+    """Every run folder of the demo's that exists now, whoever made it."""
+    return {p for folder in ("/dev/shm", "/tmp") for p in Path(folder).glob("dual_mlp-*-*")}
+
+
+OLDER_FOLDERS = run_folders()  # another run's, or a dead one's, whose pid a test launcher may get
+
+
 def run_directories():
     """The run folders of the tests' launchers that exist now."""
-    return {p for folder in ("/dev/shm", "/tmp") for p in Path(folder).glob("dual_mlp-*-*")
+    return {p for p in run_folders() - OLDER_FOLDERS
             if p.name.split("-")[1].isdigit() and int(p.name.split("-")[1]) in LAUNCHERS}
 
 
