@@ -218,7 +218,7 @@ def jax_train_step(model, gradients=False):
     weights) and returns the outputs, then the updated shared values.  Called
     inside another jitted program, it lets the exchange and several steps
     join the tutorial's own step in one compiled program."""
-    f = model.gradient_model() if gradients else model.train_model
+    f = model.gradient_model if gradients else model.train_model
     inputs = [i.variable for i in f.maker.inputs]          # index, data, params, in its order
     updated = [i.variable for i in f.maker.inputs if i.update is not None]
     data_vars = [v for v in inputs[1:] if v not in model.params]

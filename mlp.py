@@ -19,6 +19,7 @@ Run alone, this file trains one model on one process, as the tutorial did::
     THEANO_FLAGS=device=cuda0 python mlp.py      # on GPU 0, through PyTensor's JAX backend
 """
 import cli  # first: quiet Ctrl-C and closed pipes from the very start
+import functools
 import os
 import shlex
 import sys
@@ -91,7 +92,7 @@ class Model:
       ``NLL + L1_reg * L1 + L2_reg * L2_sqr``;
     * ``validate_model()``, ``test_model()``: error rate on the whole
       validation or test set;
-    * ``gradient_model()``, compiled when first asked for: the same step
+    * ``gradient_model(i)``, compiled when first used: the same step
       without its update, returning the cost and the gradients, for a
       trainer that applies ``param - learning_rate * gradient`` itself
       (``dual_mlp.py --sync gpu``: the exchange kernel, as it publishes).
@@ -130,6 +131,7 @@ class Model:
         self.test_model = pytensor.function([], classifier.errors(y), mode=mode,
                                             givens={x: test_x, y: test_y})
 
+    @functools.cached_property
     def gradient_model(self):
         return pytensor.function(**self._gradients)
 
