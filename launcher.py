@@ -572,14 +572,13 @@ def fault_point(rank, where):
     """The fault tests' hook: DUAL_MLP_FAULT=RANK:WHERE:HOW makes worker RANK
     fail on reaching WHERE (start, train, exchange) by HOW (raise, oom, kill,
     or hint: an error whose message ends in a hint line, as PyTensor's do)."""
-    spec = FAULT
-    if spec[:2] != [str(rank), where]:
+    if FAULT[:2] != [str(rank), where]:
         return
-    if spec[2] == "kill":
+    if FAULT[2] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    if spec[2] == "oom":
+    if FAULT[2] == "oom":
         np.empty(1 << 60, np.uint8)  # raises MemoryError, as a real allocation failure would
-    hint = "\nHINT: re-run with more detail" if spec[2] == "hint" else ""
+    hint = "\nHINT: re-run with more detail" if FAULT[2] == "hint" else ""
     raise RuntimeError(f"fault injected at {where}{hint}")
 
 

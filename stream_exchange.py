@@ -164,10 +164,11 @@ struct Peers {
 };
 
 // The weights the step trains, as XLA holds them: one buffer per parameter,
-// in the layout's order, and each one's gradient (null: none, no update).  Each is cut into chunks of ``width`` floats (4, or
-// 1 where the segment does not start on 16 bytes of the flat layout; its
-// last chunk may be short), numbered across the segments: thread q of the
-// grid moves chunks q, q + GRID * BLOCK, ...  Passed by value.
+// in the layout's order, and each one's gradient (null: none, no update).
+// Each is cut into chunks of ``width`` floats (4, or 1 where the segment
+// does not start on 16 bytes of the flat layout; its last chunk may be
+// short), numbered across the segments: thread q of the grid moves chunks
+// q, q + GRID * BLOCK, ...  Passed by value.
 struct Segments {
     float *data[MAX_SEGMENTS];
     const float *gradient[MAX_SEGMENTS];

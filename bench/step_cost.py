@@ -25,14 +25,16 @@ Each is warmed up, then timed over at least ``--steps`` steps with one wait
 at the end, ``--rounds`` times, the three systems taking turns (what drifts
 on the host during a run reaches all three alike): each figure is the
 median of its rounds.  The host's time inside the calls says which of host
-and device sets the pace.  The exchange's own step counter must equal the steps run
-(it ran once a step).  Target: the GPU-ordered step within 1.15x of the plain
-step at every batch.  Writes ``step_cost.json`` (``step_cost_cpu.json``).
+and device sets the pace.  The exchange's own step counter must equal the
+steps run (it ran once a step).  Target: the GPU-ordered step within 1.15x
+of the plain step at every batch.  Writes ``step_cost.json`` (``step_cost_cpu.json``).
 """
 import argparse
 import statistics
 import sys
 import time
+
+import numpy as np
 
 from common import RESULTS, ROOT, one_device, parse_args, record
 
@@ -64,7 +66,7 @@ class HostEcho:
     same weights and gradients would be."""
 
     def __init__(self, rank, n_workers, layout, rate):
-        self.rate, self.count, self.callbacks = rate, 0, 0
+        self.rate, self.count, self.callbacks = np.float32(rate), 0, 0
 
     def __call__(self, params, gradients):
         import jax
@@ -75,10 +77,9 @@ class HostEcho:
                                    *params, *gradients)
 
     def _echo(self, ctx, out, *inputs):  # out: the params, in place
-        import numpy as np
         for w, g in zip(out, inputs[len(out):]):
             w = np.from_dlpack(w)
-            w -= np.float32(self.rate) * np.from_dlpack(g)
+            w -= self.rate * np.from_dlpack(g)
         self.count += 1
         self.callbacks += 1
 
