@@ -3,7 +3,7 @@
     python bench/gpu_checks.py [--out bench/results]
 
 Writes gpu_checks.json (date, machine, command, pass/fail counts, each test's
-outcome) and gpu_checks.log (pytest's own output)."""
+outcome and seconds) and gpu_checks.log (pytest's own output)."""
 import argparse
 import os
 import re
@@ -21,7 +21,8 @@ def main():
                         help="only the tests pytest's -k selects (a device call has ten minutes)")
     args = parser.parse_args()
     pytest = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-s", "-rA", "-p",
-              "no:cacheprovider", "-o", "timeout=240"] + (["-k", args.k] if args.k else [])
+              "no:cacheprovider", "-o", "timeout=240", "--durations=0"]
+    pytest += ["-k", args.k] if args.k else []
     os.makedirs(args.out, exist_ok=True)
     log_path = os.path.join(args.out, "gpu_checks.log")
     # A time limit's SIGTERM reaches pytest too (one process group): it stops
@@ -40,8 +41,11 @@ def main():
     last = dict((kind, int(n)) for n, kind in
                 re.findall(r"(\d+) (passed|failed|skipped|error)", log.strip().splitlines()[-1]))
     counts = {k: last.get(k, 0) for k in ("passed", "failed", "skipped", "error")}
+    # --durations=0: "12.34s call     tests/...", what each test's body took
+    seconds = {test: float(s) for s, test in
+               re.findall(r"^([\d.]+)s call\s+(tests/\S+)", log, re.M)}
     record("gpu_checks", args.out, pytest=" ".join(pytest[1:]), returncode=out.returncode,
-           counts=counts, tests=outcomes,
+           counts=counts, tests=outcomes, seconds=seconds,
            notes=re.findall(r"^.*launcher stopped .*$", log, re.M))
     print(log[-2000:])
     sys.exit(out.returncode)
