@@ -24,6 +24,7 @@ full precision (no TF32), the whole training set resident on each GPU.
   jitted, weights donated, the minibatch picked by a counter on the device,
   K steps a call (``dual_mlp.repeat``), the host running ahead.
 
+``--out DIR`` also records the result (``references_SYSTEM.json``).
 Each batch size is warmed up, then timed over ``--steps`` steps with the
 device synchronised only at both ends.  Prints one JSON object:
 {batch: {"samples_per_s", "step_us", "gpus"}}.
@@ -176,7 +177,10 @@ def torch_graph_trainer(x, y, batch, hyper, rank=0, world=1):
         m.reset()
         t.zero_()
 
-    def run_steps(n):
+    # The graph reads its buffers by address, the minibatch's rows and DDP's
+    # buckets among them: what holds them must live as long as the graph does
+    # (freed, their memory went to the next allocation: the validation's).
+    def run_steps(n, holds=(step, rows, model)):
         for _ in range(n):
             graph.replay()
 
@@ -407,10 +411,16 @@ def main():
     parser.add_argument("--epochs", type=int, default=100)
     parser.add_argument("--learning-rate", type=float, default=DEFAULTS.learning_rate)
     parser.add_argument("--l2", type=float, default=DEFAULTS.l2)
+    parser.add_argument("--out", metavar="DIR",
+                        help="also write what it prints, with the date, machine and command, "
+                             "to DIR/references_SYSTEM.json")
     args = parser.parse_args()
     args.hyper = Hyper(args.learning_rate, args.l2)
     result = ddp(args) if args.system.startswith("ddp") else job(args, datasets.read(args.dataset))
     print(json.dumps(result))
+    if args.out:
+        from common import record
+        record(f"references_{args.system}", args.out, result=result)
 
 
 if __name__ == "__main__":

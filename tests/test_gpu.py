@@ -195,6 +195,24 @@ def test_the_exchange_bench_checks_the_n_way_kernel_on_one_gpu(tmp_path):
         print(out.stdout.strip().splitlines()[-3:])
 
 
+@pytest.mark.skipif(not FASHION.exists(), reason="needs Fashion-MNIST (FASHION_MNIST=folder)")
+@pytest.mark.parametrize("system", ["torch-graph", "ddp-graph"])
+def test_a_cuda_graph_reference_learns_as_eager_pytorch_does(system):
+    """The references at their best train the same model: the CUDA-graph step's
+    curve is eager PyTorch's (it once read freed memory for its minibatch
+    rows once the first validation had taken it, and fell behind)."""
+    def curve(name):
+        out = subprocess.run([sys.executable, str(ROOT / "bench" / "references.py"), name,
+                              "--curve", "--dataset", str(FASHION), "--batches", "100",
+                              "--epochs", "3"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])["curve"]
+    eager, graph = curve("torch"), curve(system)
+    for a, b in zip(eager, graph, strict=True):
+        assert abs(a["validation_error"] - b["validation_error"]) <= 0.002, (eager, graph)
+
+
 @pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs")
 def test_xla_exchange_on_two_gpus_keeps_replicas_identical(tmp_path):
     xla, out = run_json(tmp_path, "xla", "0", "1", "--exchange", "xla", "--epochs", 3, "--check")
