@@ -46,15 +46,20 @@ def refuse_busy_gpus():
                  "beside them would be wrong")
 
 
-def one_device(cpu):
-    """The one device of a one-device benchmark, the CPU or GPU 0, with JAX
-    kept to it (set before JAX starts) and PyTensor's flags set as the
-    demo's scripts set them."""
+def keep_to_one_device(cpu):
+    """JAX kept to the CPU or GPU 0 (before JAX starts) and PyTensor's flags
+    set as the demo's scripts set them."""
     if cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
     else:
         os.environ.update(CUDA_VISIBLE_DEVICES="0", JAX_PLATFORMS="cuda")
     import theano_flags  # noqa: F401  (float32, as the scripts run)
+
+
+def one_device(cpu):
+    """The one device of a one-device benchmark, the CPU or GPU 0 (see
+    ``keep_to_one_device``); JAX starts here."""
+    keep_to_one_device(cpu)
     from devices import CudaDevice, JaxDevice
     return JaxDevice() if cpu else CudaDevice(0)
 

@@ -19,13 +19,18 @@ On one device, at batch 100, 500 and 5000 and at 1 and K steps per call:
   peer (``StreamExchange.loopback``): every kernel runs, every counter is
   written and waited for, on one GPU.  With ``--cpu``, where there are no
   kernels, the exchange is a host callback that echoes the weights, a
-  stand-in that runs the same trainer.
+  stand-in that runs the same trainer;
+* ``--exchange xla, a world of one``: ``dual_mlp.XlaOrdered`` itself, its
+  program compiled over JAX's distributed runtime with this process its one
+  worker: an all-reduce of one participant, which XLA compiles away on a
+  GPU (gloo runs it on the CPU).  So this is what the host pays for the
+  xla program and its end-of-call marker, with no link in the step.
 
 Each is warmed up, then timed over at least ``--steps`` steps with one wait
-at the end, ``--rounds`` times, the three systems taking turns (what drifts
-on the host during a run reaches all three alike): each figure is the
+at the end, ``--rounds`` times, the systems taking turns (what drifts on
+the host during a run reaches them all alike): each figure is the
 median of its rounds.  The host's time inside the calls says which of host
-and device sets the pace.  The exchange's own step counter must equal the
+and device sets the pace.  Each exchange's own step counter must equal the
 steps run (it ran once a step).  Target: the GPU-ordered step within 1.15x
 of the plain step at every batch.  Writes ``step_cost.json`` (``step_cost_cpu.json``).
 """
@@ -36,11 +41,13 @@ import time
 
 import numpy as np
 
-from common import RESULTS, ROOT, one_device, parse_args, record
+from common import RESULTS, ROOT, keep_to_one_device, one_device, parse_args, record
 
 sys.path.insert(0, ROOT)
 
-TARGET = 1.15
+TARGET = 1.15  # for the GPU-ordered step
+ORDERED, XLA = "GPU-ordered step, loopback", "--exchange xla, a world of one"
+SYSTEMS = ("plain step", "plain step, written out", ORDERED, XLA)
 
 
 def plain_step(dataset, batch, steps_per_call, written_out=False):
@@ -103,10 +110,32 @@ def gpu_ordered_step(model, device, steps_per_call, cpu):
     trainer = dual_mlp.GpuOrdered(0, 1, model, device, None, check=False, watchdog=None,
                                   steps_per_call=steps_per_call)
     trainer.exchange.loopback()
+    return (*its_own_epochs(trainer), trainer)
 
-    def run(calls):
-        trainer.epoch(calls * steps_per_call)  # one wait at the end, as for the plain step
-    return run, lambda: None, lambda: trainer.host_time, trainer
+
+def world_of_one(cpu):
+    """``--exchange xla``'s runtime with this process its only worker (it
+    must start before anything else touches JAX)."""
+    from exchange import XlaExchange
+    from launcher import free_port
+    return XlaExchange(f"127.0.0.1:{free_port()}", 1, 0, timeout=60, cpu=cpu, one_machine=True)
+
+
+def xla_ordered_step(model, device, xla, steps_per_call):
+    """``(run(calls), wait, host seconds so far, trainer)`` of dual_mlp's
+    ``--exchange xla`` trainer in a world of one."""
+    import dual_mlp
+    trainer = dual_mlp.XlaOrdered(0, 1, model, device, xla, check=False, watchdog=None,
+                                  steps_per_call=steps_per_call)
+    return (*its_own_epochs(trainer), trainer)
+
+
+def its_own_epochs(trainer):
+    """``(run(calls), wait, host seconds so far)`` of a dual_mlp trainer
+    through its own epoch loop, which waits once at its end, as the plain
+    step's does."""
+    return (lambda calls: trainer.epoch(calls * trainer.steps_per_call), lambda: None,
+            lambda: trainer.host_time)
 
 
 def measure(run, wait, host, steps_per_call, min_steps):
@@ -151,6 +180,8 @@ def main():
         parser.error("--rounds and --steps must be at least 1")
     if args.cpu:
         args.batches, args.steps = [100], min(args.steps, 40)
+    keep_to_one_device(args.cpu)
+    xla = world_of_one(args.cpu)
     device = one_device(args.cpu)
     import dual_mlp
     import mlp
@@ -163,27 +194,34 @@ def main():
         model.warm_up(put=device.put)
         for k in sorted({min(k, model.n_train_batches) for k in ks}):
             *ordered_step, trainer = gpu_ordered_step(model, device, k, args.cpu)
+            *xla_step, xla_trainer = xla_ordered_step(model, device, xla, k)
             systems = [plain_step(args.dataset, batch, k),
-                       plain_step(args.dataset, batch, k, written_out=True), ordered_step]
+                       plain_step(args.dataset, batch, k, written_out=True), ordered_step,
+                       xla_step]
             for run, wait, _ in systems:  # warm: the first call compiles or captures
                 run(2)
                 wait()
             rounds = [[measure(*system, k, args.steps) for system in systems]
                       for _ in range(args.rounds)]
-            plain, written, ordered = zip(*rounds)
+            plain, written, ordered, by_xla = zip(*rounds)
             plain = figure("plain step", batch, k, plain)
             written = figure("plain step, written out", batch, k, written, plain)
-            ordered = figure("GPU-ordered step, loopback", batch, k, ordered, plain,
+            ordered = figure(ORDERED, batch, k, ordered, plain,
                              exchange_steps=trainer.exchange.steps_done(),
                              steps_run=trainer.steps,
                              exchange_callbacks=trainer.exchange.callbacks)
             trainer.exchange.close()
-            if ordered["exchange_steps"] != ordered["steps_run"]:
-                sys.exit(f"step_cost.py: error: the exchange counted {ordered['exchange_steps']} "
-                         f"steps of {ordered['steps_run']} at batch {batch}, K={k}")
-            figures += [plain, written, ordered]
-            for f in (plain, written, ordered):
-                print(f"B={batch:5d} K={k:3d} {f['system']:28s} {f['step_us']:8.1f} us/step, "
+            xla_trainer.finish()
+            xla_trainer.to_model()  # its state began as the model's own buffers, donated since
+            by_xla = figure(XLA, batch, k, by_xla, plain,
+                            exchange_steps=xla_trainer.exchange_steps, steps_run=xla_trainer.steps)
+            for f in (ordered, by_xla):
+                if f["exchange_steps"] != f["steps_run"]:
+                    sys.exit(f"step_cost.py: error: {f['system']} counted {f['exchange_steps']} "
+                             f"steps of {f['steps_run']} at batch {batch}, K={k}")
+            figures += [plain, written, ordered, by_xla]
+            for f in (plain, written, ordered, by_xla):
+                print(f"B={batch:5d} K={k:3d} {f['system']:33s} {f['step_us']:8.1f} us/step, "
                       f"host {f['host_us_per_step']:7.1f} us/step"
                       + (f"  {f['over_plain']:.3f}x plain" if "over_plain" in f else ""),
                       flush=True)
@@ -192,7 +230,7 @@ def main():
                   device=device.description, dataset=args.dataset, target=TARGET,
                   rounds=args.rounds,
                   within_target=all(f["over_plain"] <= TARGET for f in figures
-                                    if f["system"] == "GPU-ordered step, loopback"),
+                                    if f["system"] == ORDERED),
                   figures=figures)
     print(table(dict(command=" ".join(sys.argv), device=device.description, figures=figures,
                      rounds=args.rounds, date=time.strftime("%Y-%m-%d"))))
@@ -209,8 +247,8 @@ def table(document):
     lines = [f"Measured by `{document['command']}` on {document['date'][:10]} "
              f"({document['device']}): us per step (of it, us of host time){rounds}, and its "
              "ratio to the plain step.", "",
-             "| batch | steps per call | plain step | plain step, written out | "
-             "GPU-ordered, loopback |", "| --- | --- | --- | --- | --- |"]
+             "| batch | steps per call | " + " | ".join(SYSTEMS) + " |",
+             "| --- | --- |" + " --- |" * len(SYSTEMS)]
 
     def cell(f):
         if f is None:
@@ -221,8 +259,7 @@ def table(document):
         return f"{f['step_us']:.1f} ({f['host_us_per_step']:.1f}){spread}{ratio}"
     for batch, k in rows:
         lines.append(f"| {batch} | {k} | " + " | ".join(
-            cell(by.get((system, batch, k))) for system in
-            ("plain step", "plain step, written out", "GPU-ordered step, loopback")) + " |")
+            cell(by.get((system, batch, k))) for system in SYSTEMS) + " |")
     return "\n".join(lines)
 
 

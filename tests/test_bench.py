@@ -197,21 +197,25 @@ def test_step_profile_cpu_times_both_steps_and_names_their_kernels(tmp_path):
         assert times == sorted(times, reverse=True) and times[-1] > 0
 
 
-def test_step_cost_cpu_times_the_plain_written_out_and_gpu_ordered_steps_and_counts_exchanges(
+def test_step_cost_cpu_times_the_plain_written_out_and_both_ordered_steps_and_counts_exchanges(
         tmp_path):
-    """On the CPU the exchange is a host echo (no kernels): the script's run of
-    dual_mlp.GpuOrdered, its figures and the once-a-step count are what is tested."""
+    """On the CPU the GPU-ordered exchange is a host echo (no kernels), and
+    ``--exchange xla`` runs in a world of one over gloo: the script's runs of
+    dual_mlp.GpuOrdered and XlaOrdered, their figures and the once-a-step
+    counts are what is tested."""
     out = script("bench/step_cost.py", "--cpu", "--out", tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / "step_cost_cpu.json").read_text())
     assert result["command"].startswith("python bench/step_cost.py") and result["target"] == 1.15
     seen = {(f["system"], f["steps_per_call"]): f for f in result["figures"]}
+    ordered_systems = ("GPU-ordered step, loopback", "--exchange xla, a world of one")
     assert set(seen) == {(s, k) for s in ("plain step", "plain step, written out",
-                                          "GPU-ordered step, loopback") for k in (1, 10)}
+                                          *ordered_systems) for k in (1, 10)}
     for k in (1, 10):
-        ordered, plain = seen["GPU-ordered step, loopback", k], seen["plain step", k]
-        assert ordered["exchange_steps"] == ordered["steps_run"] >= 40
-        for other in (ordered, seen["plain step, written out", k]):
+        plain = seen["plain step", k]
+        for ordered in ordered_systems:
+            assert seen[ordered, k]["exchange_steps"] == seen[ordered, k]["steps_run"] >= 40
+        for other in (*(seen[s, k] for s in ordered_systems), seen["plain step, written out", k]):
             assert other["over_plain"] == other["step_us"] / plain["step_us"]
         assert plain["step_us"] > 0 and plain["host_us_per_step"] > 0
     for f in result["figures"]:  # each figure the median of its rounds, the systems in turn
