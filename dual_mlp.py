@@ -160,7 +160,8 @@ def parse_args(argv=None):
     p.add_argument("--coordinator", metavar="HOST:PORT",
                    help="--exchange xla: where node 0's coordinator listens, and only there "
                         "(default, one machine: 127.0.0.1 on a free port)")
-    p.add_argument("--worker", nargs=2, metavar=("INDEX", "RUNDIR"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=3, metavar=("INDEX", "RUNDIR", "LAUNCHER_PID"),
+                   help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -639,7 +640,7 @@ def summarise(args, progress, trainer, n_steps, world, wall, device, say):
     if not args.json:
         return
     summary = dict(
-        config={k: v for k, v in vars(args).items() if k not in ("worker", "launcher_pid")},
+        config={k: v for k, v in vars(args).items() if k != "worker"},
         **records.run_header(args.command), devices=args.devices, workers=world,
         nodes=args.nodes, exchange=args.exchange, sync=args.sync, route=trainer.route,
         device_name=device.description,
@@ -667,7 +668,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         return launcher.run_worker(worker, int(args.worker[0]), args.worker[1],
-                                   (PeerError, records.CheckpointError, datasets.DatasetError,
+                                   int(args.worker[2]), (PeerError, records.CheckpointError, datasets.DatasetError,
                                     Diverged))
     started = time.perf_counter()
     args.command = shlex.join(["python", "dual_mlp.py"] + (sys.argv[1:] if argv is None else argv))

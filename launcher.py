@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import re
+import secrets
 import select
 import shutil
 import signal
@@ -424,7 +425,7 @@ class Worker:
         # A process group of its own: a terminal's Ctrl-C reaches the launcher
         # alone, which stops every worker, whatever each is doing just then.
         self.proc = subprocess.Popen(
-            [sys.executable, script, "--worker", str(index), rundir],
+            [sys.executable, script, "--worker", str(index), rundir, str(os.getpid())],
             env=worker_environment(dev, n_local, one_machine), stderr=subprocess.PIPE, text=True,
             process_group=0)
         self.tail = collections.deque(maxlen=200)
@@ -472,9 +473,10 @@ def stop(workers, grace=2.0):
 
 
 def run_folder(args):
-    """A private folder for the run's sockets, buffers and heartbeats: in
-    shared memory where it has room for them, else on disk; named after this
-    launcher, so that nobody mistakes it for another run's."""
+    """Where the run's private folder for its sockets, buffers and heartbeats
+    will be (``launch`` makes it): in shared memory where it has room for
+    them, else on disk; named after this launcher, so that nobody mistakes
+    it for another run's, and unguessable."""
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     n_params = sum(int(np.prod(s)) for s in mlp.parameter_shapes(
         datasets.N_PIXELS, args.n_hidden, datasets.N_CLASSES))
@@ -488,19 +490,30 @@ def run_folder(args):
     if shutil.disk_usage(folder).free < needed:
         raise UsageError(f"{folder} has {shutil.disk_usage(folder).free >> 20} MB free, the "
                          f"run needs {needed >> 20} MB for its buffers")
-    return tempfile.mkdtemp(prefix=f"dual_mlp-{os.getpid()}-", dir=folder), notice
+    return os.path.join(folder, f"dual_mlp-{os.getpid()}-{secrets.token_hex(8)}"), notice
 
 
 def launch(args, script, rundir):
-    """Start the workers (``script --worker INDEX RUNDIR``) and wait; if one
-    fails, stop the others at once.  Returns the exit code."""
+    """Start the workers (``script --worker INDEX RUNDIR LAUNCHER_PID``), then
+    make the run folder and leave the request there, and wait; if one fails,
+    stop the others at once.  Returns the exit code.
+
+    In that order, wherever this launcher dies (even by SIGKILL), a worker
+    is there to remove the folder: each waits for the request only while
+    its launcher lives, and one that finds itself orphaned, or that Linux
+    tells, removes the folder before it goes (``run_worker``)."""
     cli.install_stop_handler(request_stop)
     workers, n_local = [], len(args.devices)
     try:
-        with open(os.path.join(rundir, "config.json"), "w") as f:
-            json.dump(dict(vars(args), launcher_pid=os.getpid()), f)
         workers = [Worker(script, i, args.node_rank * n_local + i, dev, rundir, n_local,
                           args.nodes == 1) for i, dev in enumerate(args.devices)]
+        fault_point("launcher", "spawned")
+        os.mkdir(rundir, 0o700)  # fails if anything is there: the name is this run's alone
+        fault_point("launcher", "folder")
+        request = os.path.join(rundir, "config.json")
+        with open(request + ".part", "w") as f:  # whole or not at all: the workers are reading
+            json.dump(vars(args), f)
+        os.replace(request + ".part", request)
         while not stopping.is_set():
             codes = [w.proc.poll() for w in workers]
             if all(code == 0 for code in codes):
@@ -747,30 +760,37 @@ def release_stdout():
         FORWARD.join(timeout=2)
 
 
-def run_worker(work, index, rundir, one_line_errors):
-    """Worker ``index`` of this launcher: ``work(args, rank, world, device,
-    rundir, watchdog)`` with the request the launcher left in ``rundir``.  An
-    error of ``one_line_errors`` is said in one line, any other with its
-    traceback."""
+def the_request(rundir):
+    """What the launcher asks (its ``config.json``), once it has left it in
+    the run folder; None if the launcher is gone, or asks us to stop, first."""
+    while not stopping.is_set() and os.getppid() == LAUNCHER:
+        try:
+            with open(os.path.join(rundir, "config.json")) as f:
+                return types.SimpleNamespace(**json.load(f))
+        except FileNotFoundError:  # not yet: it starts every worker before it writes it
+            time.sleep(0.005)
+    return None
+
+
+def run_worker(work, index, rundir, launcher_pid, one_line_errors):
+    """Worker ``index`` of the launcher ``launcher_pid``: ``work(args, rank,
+    world, device, rundir, watchdog)`` with the request the launcher leaves
+    in ``rundir``.  An error of ``one_line_errors`` is said in one line, any
+    other with its traceback."""
     global RUN_FOLDER, LAUNCHER
-    RUN_FOLDER = rundir
+    RUN_FOLDER, LAUNCHER = rundir, launcher_pid
     # Our error output is a pipe to the launcher: once it is gone, a write
     # there (JAX's runtime logs as its peers go) must not end us by SIGPIPE
     # before we have removed the run folder.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    cli.install_stop_handler(request_stop)  # first: Linux's SIGTERM must find us able to clean
     die_with_parent()
-    try:
-        with open(os.path.join(rundir, "config.json")) as f:
-            args = types.SimpleNamespace(**json.load(f))
-    except OSError:  # the launcher is gone, and its folder with it
+    args = the_request(rundir)
+    if args is None:  # the launcher went (or stopped us) before its request came
         return quit_now(128 + signal.SIGTERM)
-    LAUNCHER = args.launcher_pid
-    if os.getppid() != LAUNCHER:  # it died before it could ask Linux to end us
-        return quit_now(128 + signal.SIGTERM)
-    cli.install_stop_handler(request_stop)
     rank, world = args.node_rank * len(args.devices) + index, args.nodes * len(args.devices)
     keep_stdout_clean(rank, rundir)
-    watchdog = Watchdog(rank, world, rundir, args.launcher_pid, args.timeout)
+    watchdog = Watchdog(rank, world, rundir, LAUNCHER, args.timeout)
     code = 0
     try:
         work(args, rank, world, args.devices[index], rundir, watchdog)
@@ -785,7 +805,7 @@ def run_worker(work, index, rundir, one_line_errors):
         else:
             traceback.print_exc()
             code = 1
-    if code or os.getppid() != args.launcher_pid:
+    if code or os.getppid() != LAUNCHER:
         quit_now(code)
     release_stdout()
     return 0

@@ -99,6 +99,20 @@ def test_a_launcher_killed_at_any_moment_of_start_up_leaves_no_worker_and_no_fol
                  f"the run folder of a launcher killed after {delay} s to go")
 
 
+@pytest.mark.parametrize("where", ["spawned", "folder"])
+def test_a_launcher_killed_once_its_workers_start_leaves_no_worker_and_no_folder(where,
+                                                                                 no_leftovers):
+    """The moments that a kill at a random time seldom hits (CI's once did): the
+    workers started, the run folder not yet made, or made with no request in it."""
+    proc = start_dual("cpu", "cpu", "--epochs", 1000,
+                      env={"DUAL_MLP_FAULT": f"launcher:{where}:kill"})
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    wait_for(lambda: not ours_alive(), 15, f"the orphans to exit ({where})")
+    wait_for(lambda: not [d for d in run_directories() if f"-{proc.pid}-" in d.name], 5,
+             f"the run folder of a launcher killed at {where} to go")
+
+
 def ignores_sigpipe(pid):
     mask = re.search(r"SigIgn:\s*([0-9a-f]+)", open(f"/proc/{pid}/status").read())[1]
     return bool(int(mask, 16) >> (signal.SIGPIPE - 1) & 1)
