@@ -667,8 +667,9 @@ def summarise(args, progress, trainer, n_steps, world, wall, device, say):
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
-        return launcher.run_worker(worker, int(args.worker[0]), args.worker[1],
-                                   int(args.worker[2]), (PeerError, records.CheckpointError, datasets.DatasetError,
+        index, rundir, launcher_pid = args.worker
+        return launcher.run_worker(worker, int(index), rundir, int(launcher_pid),
+                                   (PeerError, records.CheckpointError, datasets.DatasetError,
                                     Diverged))
     started = time.perf_counter()
     args.command = shlex.join(["python", "dual_mlp.py"] + (sys.argv[1:] if argv is None else argv))

@@ -85,6 +85,13 @@ def ours_alive():
     return [p for p in leftover_workers() if p.status() != psutil.STATUS_ZOMBIE]
 
 
+def orphans_and_folder_go(proc, when):
+    """The workers of the killed launcher ``proc`` exit and take its run folder."""
+    wait_for(lambda: not ours_alive(), 15, f"the orphans to exit ({when})")
+    wait_for(lambda: not [d for d in run_directories() if f"-{proc.pid}-" in d.name], 5,
+             f"the run folder of a launcher killed {when} to go")
+
+
 @pytest.mark.parametrize("exchange", ["p2p", "xla"])
 def test_a_launcher_killed_at_any_moment_of_start_up_leaves_no_worker_and_no_folder(
         exchange, no_leftovers):
@@ -94,9 +101,7 @@ def test_a_launcher_killed_at_any_moment_of_start_up_leaves_no_worker_and_no_fol
         time.sleep(delay)
         proc.kill()  # the launcher alone: its workers must notice and go
         proc.communicate()
-        wait_for(lambda: not ours_alive(), 15, f"the orphans to exit ({delay} s)")
-        wait_for(lambda: not [d for d in run_directories() if f"-{proc.pid}-" in d.name], 5,
-                 f"the run folder of a launcher killed after {delay} s to go")
+        orphans_and_folder_go(proc, f"after {delay} s")
 
 
 @pytest.mark.parametrize("where", ["spawned", "folder"])
@@ -108,9 +113,7 @@ def test_a_launcher_killed_once_its_workers_start_leaves_no_worker_and_no_folder
                       env={"DUAL_MLP_FAULT": f"launcher:{where}:kill"})
     proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL
-    wait_for(lambda: not ours_alive(), 15, f"the orphans to exit ({where})")
-    wait_for(lambda: not [d for d in run_directories() if f"-{proc.pid}-" in d.name], 5,
-             f"the run folder of a launcher killed at {where} to go")
+    orphans_and_folder_go(proc, f"at {where}")
 
 
 def ignores_sigpipe(pid):
