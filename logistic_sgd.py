@@ -22,16 +22,16 @@ Run alone, this file trains the model on the demo's data, as the tutorial did::
 
     python logistic_sgd.py [--dataset PATH] [--epochs 20]
 """
-import cli  # first: quiet Ctrl-C and closed pipes from the very start
+import signal
+if __name__ == "__main__":  # a Ctrl-C while PyTensor loads ends the script, with no traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from multi_gpu import tutorial  # first: THEANO_FLAGS onto PyTensor's flags; data, command line
 import sys
 import time
 
-import theano_flags  # noqa: F401  (maps THEANO_FLAGS onto PyTensor; must precede it)
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
-
-import datasets
 
 
 class LogisticRegression:
@@ -111,13 +111,13 @@ def shared_dataset(data_xy, borrow=True, put=None):
 
 
 def load_data(dataset, put=None):
-    """Read a data set (see ``datasets.py``) into shared variables.
+    """Read a data set (see ``multi_gpu/datasets.py``) into shared variables.
 
     :param dataset: path to ``mnist.pkl.gz`` or to a folder of IDX files
     :param put: places each array on the computing device (see ``shared_dataset``)
     :returns: ``[(train_x, train_y), (valid_x, valid_y), (test_x, test_y)]``
     """
-    return [shared_dataset(split, put=put) for split in datasets.read(dataset)]
+    return [shared_dataset(split, put=put) for split in tutorial.read(dataset)]
 
 
 def minibatch(data, index, batch_size):
@@ -137,19 +137,19 @@ def sgd_optimization_mnist(learning_rate=0.13, n_epochs=20, dataset=None, batch_
     """Stochastic gradient descent on a log-linear model, the tutorial's loop
     reduced to its core: train on every minibatch, validate after each epoch,
     keep the test error of the best-validation model."""
-    dataset, notice = datasets.resolve(dataset)
+    dataset, notice = tutorial.resolve(dataset)
     if notice:
         print(notice)
     (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = load_data(dataset)
     n_train_batches = train_x.get_value(borrow=True).shape[0] // batch_size
     if n_train_batches == 0:
-        raise datasets.DatasetError(f"batch size {batch_size} is larger than the training set")
+        raise tutorial.DatasetError(f"batch size {batch_size} is larger than the training set")
 
     print("... building the model")
     index = pt.lscalar()
     x = pt.matrix("x")
     y = pt.ivector("y")
-    classifier = LogisticRegression(input=x, n_in=datasets.N_PIXELS, n_out=datasets.N_CLASSES)
+    classifier = LogisticRegression(input=x, n_in=tutorial.N_PIXELS, n_out=tutorial.N_CLASSES)
     cost = classifier.negative_log_likelihood(y)
     g_W, g_b = pytensor.grad(cost=cost, wrt=[classifier.W, classifier.b])
     train_model = pytensor.function(
@@ -159,7 +159,7 @@ def sgd_optimization_mnist(learning_rate=0.13, n_epochs=20, dataset=None, batch_
         givens={x: minibatch(train_x, index, batch_size), y: minibatch(train_y, index, batch_size)})
     validate_model = pytensor.function([], classifier.errors(y), givens={x: valid_x, y: valid_y})
     test_model = pytensor.function([], classifier.errors(y), givens={x: test_x, y: test_y})
-    with cli.heartbeat(f"compiling with PyTensor's {cli.backend_name()} backend (the first run "
+    with tutorial.heartbeat(f"compiling with PyTensor's {tutorial.backend_name()} backend (the first run "
                        "takes a minute or so; later runs use the cache)"):
         for f in (validate_model, test_model):  # compiled on the first call
             f()
@@ -190,17 +190,12 @@ def sgd_optimization_mnist(learning_rate=0.13, n_epochs=20, dataset=None, batch_
 
 
 def main(argv=None):
-    parser = cli.tutorial_parser("Train logistic regression on MNIST, as in the "
-                                 "deeplearning.net tutorial.", epochs=20, batch_size=100,
-                                 learning_rate=0.13)
+    tutorial.quiet_start_up()
+    parser = tutorial.parser("Train logistic regression on MNIST, as in the deeplearning.net "
+                             "tutorial.", epochs=20, batch_size=100, learning_rate=0.13)
     args = parser.parse_args(argv)
-    try:
-        sgd_optimization_mnist(args.learning_rate, args.epochs, args.dataset, args.batch_size)
-    except datasets.DatasetError as e:
-        print(f"logistic_sgd.py: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
+    return tutorial.run("logistic_sgd.py", lambda: sgd_optimization_mnist(
+        args.learning_rate, args.epochs, args.dataset, args.batch_size), args.dataset)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,20 +18,19 @@ Run alone, this file trains one model on one process, as the tutorial did::
     python mlp.py [--dataset PATH] [--epochs 10] [--batch-size 20] [--save model.npz]
     THEANO_FLAGS=device=cuda0 python mlp.py      # on GPU 0, through PyTensor's JAX backend
 """
-import cli  # first: quiet Ctrl-C and closed pipes from the very start
+import signal
+if __name__ == "__main__":  # a Ctrl-C while PyTensor loads ends the script, with no traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from multi_gpu import tutorial  # first: THEANO_FLAGS onto PyTensor's flags; data, command line
 import functools
-import os
 import shlex
 import sys
 import time
 
-import theano_flags  # maps THEANO_FLAGS onto PyTensor; must precede it
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-import datasets
-import records
 from logistic_sgd import LogisticRegression, load_data, minibatch
 
 
@@ -111,8 +110,8 @@ class Model:
         x = pt.matrix("x")
         y = pt.ivector("y")
         self.classifier = classifier = MLP(rng=np.random.RandomState(seed), input=x,
-                                           n_in=datasets.N_PIXELS, n_hidden=n_hidden,
-                                           n_out=datasets.N_CLASSES)
+                                           n_in=tutorial.N_PIXELS, n_hidden=n_hidden,
+                                           n_out=tutorial.N_CLASSES)
         self.params = classifier.params
         cost = (classifier.negative_log_likelihood(y) + L1_reg * classifier.L1
                 + L2_reg * classifier.L2_sqr)
@@ -172,20 +171,20 @@ def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, datase
     epoch, keep the test error of the best-validation model.
 
     :param device: None for PyTensor's default backend on the CPU, or a
-        ``devices.JaxDevice`` (a GPU: ``THEANO_FLAGS=device=cuda0``)
+        ``multi_gpu.devices.JaxDevice`` (a GPU: ``THEANO_FLAGS=device=cuda0``)
     """
-    dataset, notice = datasets.resolve(dataset)
+    dataset, notice = tutorial.resolve(dataset)
     if notice:
         print(notice)
     mode, put = (device.mode, device.put) if device else (None, np.asarray)
     data = load_data(dataset, put=put if device else None)
     n_train = data[0][0].get_value(borrow=True).shape[0]
     if n_train < batch_size:
-        raise datasets.DatasetError(f"batch size {batch_size} is larger than the training set "
+        raise tutorial.DatasetError(f"batch size {batch_size} is larger than the training set "
                                     f"({n_train} images)")
     where = f" on {device.name}" if device else ""
-    with cli.heartbeat(f"building the model and compiling it with PyTensor's "
-                       f"{cli.backend_name(mode)} backend{where} (the first run takes a minute "
+    with tutorial.heartbeat(f"building the model and compiling it with PyTensor's "
+                       f"{tutorial.backend_name(mode)} backend{where} (the first run takes a minute "
                        "or so; later runs use the cache)"):
         model = Model(data, batch_size, n_hidden, learning_rate, L1_reg, L2_reg, seed, mode=mode)
         model.warm_up(put=put)
@@ -208,7 +207,7 @@ def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, datase
             best_validation_loss = this_validation_loss
             test_score = float(model.test_model())
             best_params = model.get_params()
-        curve.append(records.epoch_record(epoch, train_time, this_validation_loss, test_score))
+        curve.append(tutorial.epoch_record(epoch, train_time, this_validation_loss, test_score))
     samples_per_s = n_epochs * n_train_batches * batch_size / train_time
     print(f"Optimization complete. Best validation score of {best_validation_loss * 100.:f} % "
           f"with test performance {test_score * 100.:f} %")
@@ -216,72 +215,44 @@ def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, datase
           f"({samples_per_s:,.0f} samples/s, {1e6 * train_time / n_epochs / n_train_batches:.0f} "
           "us per step; the compile and the validation not counted)")
     if save:
-        records.save_checkpoint(save, model.get_params(), best_params, epoch=n_epochs,
+        tutorial.save_checkpoint(save, model.get_params(), best_params, epoch=n_epochs,
                                 best_validation_error=best_validation_loss,
                                 test_error=test_score)
     if json_path:
         summary = dict(
-            records.run_header(shlex.join(["python", "mlp.py"] + sys.argv[1:])),
+            tutorial.run_header(shlex.join(["python", "mlp.py"] + sys.argv[1:])),
             device=device.description if device else "cpu",
-            backend=cli.backend_name(mode), batch_size=batch_size,
+            backend=tutorial.backend_name(mode), batch_size=batch_size,
             epochs_run=n_epochs, steps_per_epoch=n_train_batches, training_time_s=train_time,
             samples_per_s=samples_per_s,
             step_us=dict(step=1e6 * train_time / n_epochs / n_train_batches),
             validation_errors=validation_losses, best_validation_error=best_validation_loss,
             test_error=test_score, curve=curve)
-        records.write_json(json_path, summary)
+        tutorial.write_json(json_path, summary)
     return best_validation_loss, test_score
 
 
-def gpu_from_flags():
-    """THEANO_FLAGS=device=cudaN: this process on GPU N, through PyTensor's JAX
-    backend, as Theano's flag put it there (None: the CPU)."""
-    if not theano_flags.DEVICE:
-        return None
-    os.environ.update(CUDA_VISIBLE_DEVICES=theano_flags.DEVICE[4:], JAX_PLATFORMS="cuda",
-                      XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    from devices import JaxDevice
-    try:
-        return JaxDevice()
-    except Exception as e:  # no JAX with CUDA, no such GPU
-        raise datasets.DatasetError(f"THEANO_FLAGS device={theano_flags.DEVICE}: no such GPU "
-                                    f"for JAX ({str(e).splitlines()[0]})") from None
-
-
 def main(argv=None):
-    parser = cli.tutorial_parser("Train the tutorial's MLP on one process (on a GPU with "
-                                 "THEANO_FLAGS=device=cuda0).", epochs=10, batch_size=20,
-                                 learning_rate=0.01)
-    parser.add_argument("--n-hidden", type=cli.positive_int, default=500,
+    tutorial.quiet_start_up()
+    parser = tutorial.parser("Train the tutorial's MLP on one process (on a GPU with "
+                             "THEANO_FLAGS=device=cuda0).", epochs=10, batch_size=20,
+                             learning_rate=0.01)
+    parser.add_argument("--n-hidden", type=tutorial.positive_int, default=500,
                         help="hidden units (default: %(default)s)")
-    parser.add_argument("--l1", type=cli.non_negative, default=0.0,
+    parser.add_argument("--l1", type=tutorial.non_negative, default=0.0,
                         help="L1 weight penalty (default: %(default)s)")
-    parser.add_argument("--l2", type=cli.non_negative, default=0.0001,
+    parser.add_argument("--l2", type=tutorial.non_negative, default=0.0001,
                         help="squared L2 weight penalty (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=1234, help="weight initialisation seed")
-    parser.add_argument("--save", metavar="PATH", type=cli.writable,
+    parser.add_argument("--save", metavar="PATH", type=tutorial.writable,
                         help="write the final model (.npz) here")
-    parser.add_argument("--json", metavar="PATH", type=cli.writable,
+    parser.add_argument("--json", metavar="PATH", type=tutorial.writable,
                         help="write a summary (timings, errors) as JSON")
     args = parser.parse_args(argv)
-    try:
-        dataset, _ = datasets.resolve(args.dataset)
-        clash = cli.clash({"--dataset": datasets.files_of(dataset)},
-                          {"--save": [args.save], "--json": [args.json]})
-        if clash:
-            raise datasets.DatasetError(clash)
-        with records.hold(args.save):
-            test_mlp(args.learning_rate, args.l1, args.l2, args.epochs, args.dataset,
-                     args.batch_size, args.n_hidden, args.seed, args.save, args.json,
-                     gpu_from_flags())
-    except (datasets.DatasetError, records.CheckpointError) as e:
-        print(f"mlp.py: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a write that failed at the end (a full disk): the file before is kept
-        print(f"mlp.py: error: could not write {e.filename}: {e.strerror}", file=sys.stderr)
-        return 1
-    return 0
-
+    return tutorial.run("mlp.py", lambda: test_mlp(
+        args.learning_rate, args.l1, args.l2, args.epochs, args.dataset, args.batch_size,
+        args.n_hidden, args.seed, args.save, args.json, tutorial.device_from_flags()),
+        args.dataset, {"--save": args.save, "--json": args.json})
 
 if __name__ == "__main__":
     sys.exit(main())

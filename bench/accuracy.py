@@ -1,7 +1,7 @@
 """Time to accuracy: how long each system takes to reach a test accuracy.
 
-    python bench/accuracy.py --dataset /usr/share/datasets/fashion-mnist   # two GPUs: ~5 min
-    python bench/accuracy.py --cpu                                          # a small CPU subset
+    python -m bench.accuracy --dataset /usr/share/datasets/fashion-mnist   # two GPUs: ~5 min
+    python -m bench.accuracy --cpu                                          # a small CPU subset
 
 Every system trains the same model from the same initial weights on the
 same minibatches in the same order: 784-500-10 tanh, softmax NLL, SGD at
@@ -15,7 +15,7 @@ are the figures.  The systems: ``dual_mlp.py 0 1`` (GPU-ordered, ``--exchange
 xla``, host-ordered), the project's model on one GPU (``mlp.py``, and its
 compiled step at its best), PyTorch eager and as a CUDA graph, on one GPU and
 with DDP on two, JAX's mesh data parallelism, one step and K steps per call
-(``bench/references.py --curve``).  A run that fails stops the benchmark.
+(``bench.references --curve``).  A run that fails stops the benchmark.
 
 Writes ``accuracy.json`` (command, date, machine, every curve, the figures)
 and ``accuracy.png`` (test accuracy against training seconds); ``--tables-from
@@ -27,11 +27,10 @@ import os
 import sys
 import tempfile
 
-from common import RESULTS, ROOT, parse_args, pyplot, record
-from compare import K, ONE_GPU, STEPS_PER_CALL, run, summary_of
+from bench.common import RESULTS, parse_args, pyplot, record
+from bench.compare import K, ONE_GPU, STEPS_PER_CALL, run, summary_of
 
-sys.path.insert(0, ROOT)
-import datasets  # noqa: E402
+from multi_gpu import datasets
 
 GLOBAL_BATCH = 200
 
@@ -50,7 +49,7 @@ def demo(name, args, workers, opts, tmp, env=None):
 
 
 def reference(system, name, workers, opts, options=(), env=None):
-    out = run([sys.executable, "bench/references.py", system, *options, "--curve",
+    out = run([sys.executable, "-m", "bench.references", system, *options, "--curve",
                *training(opts), "--batches", str(GLOBAL_BATCH // workers)], env)
     return summarise(name, workers, json.loads(out.stdout.strip().splitlines()[-1]),
                      opts.target)

@@ -1,4 +1,8 @@
-"""What every benchmark script records beside its figures: when, where, how."""
+"""What every benchmark script records beside its figures: when, where, how.
+
+The benchmarks are modules of this folder, run from the repository's root
+as ``python -m bench.NAME``: they import the demo's scripts and its package
+``multi_gpu`` by their names."""
 import datetime
 import json
 import os
@@ -53,23 +57,28 @@ def keep_to_one_device(cpu):
         os.environ["JAX_PLATFORMS"] = "cpu"
     else:
         os.environ.update(CUDA_VISIBLE_DEVICES="0", JAX_PLATFORMS="cuda")
-    import theano_flags  # noqa: F401  (float32, as the scripts run)
+    from multi_gpu import flags  # noqa: F401  (first: float32, as the scripts run)
 
 
 def one_device(cpu):
     """The one device of a one-device benchmark, the CPU or GPU 0 (see
     ``keep_to_one_device``); JAX starts here."""
     keep_to_one_device(cpu)
-    from devices import CudaDevice, JaxDevice
+    from multi_gpu.devices import CudaDevice, JaxDevice
     return JaxDevice() if cpu else CudaDevice(0)
+
+
+def invocation():
+    """How the running script was started: ``-m bench.compare``, say."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    return ["-m", spec.name] if spec else [os.path.relpath(sys.argv[0], ROOT)]
 
 
 def record(name, out_dir, **results):
     """Write ``<out_dir>/<name>.json`` with the date, machine and command line."""
     os.makedirs(out_dir, exist_ok=True)
     document = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    command=shlex.join(["python"] + [os.path.relpath(sys.argv[0], ROOT)]
-                                       + sys.argv[1:]),
+                    command=shlex.join(["python", *invocation(), *sys.argv[1:]]),
                     machine=machine(), **results)
     path = os.path.join(out_dir, f"{name}.json")
     with open(path, "w") as f:
@@ -152,6 +161,7 @@ def parse_args(parser, table):
     ``--tables-from JSON`` only regenerates its README tables (``table(document)``)
     from a results file, and exits."""
     results = os.path.splitext(os.path.basename(sys.argv[0]))[0] + ".json"
+    parser.prog = f"python {' '.join(invocation())}"
     parser.add_argument("--tables-from", metavar="JSON",
                         help=f"only regenerate the README tables from this {results}")
     args = parser.parse_args()

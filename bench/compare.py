@@ -1,7 +1,7 @@
 """Where the demo stands: the same model on every system, in one run.
 
-    python bench/compare.py --dataset /usr/share/datasets/fashion-mnist   # two GPUs: ~7 min
-    python bench/compare.py --cpu                                          # a small CPU subset
+    python -m bench.compare --dataset /usr/share/datasets/fashion-mnist   # two GPUs: ~7 min
+    python -m bench.compare --cpu                                          # a small CPU subset
 
 Samples/s and microseconds per step of the demo's model (784-500-10 tanh,
 softmax NLL, L2 1e-4, SGD, float32 at full precision, data on the device)
@@ -50,12 +50,11 @@ import time
 
 import numpy as np
 
-from common import (RESULTS, ROOT, duration, parse_args, pyplot, rate, rate_unit, record,
+from bench.common import (RESULTS, ROOT, duration, parse_args, pyplot, rate, rate_unit, record,
                     refuse_busy_gpus, tables_from)
 
-sys.path.insert(0, ROOT)
-import datasets  # noqa: E402
-from dual_mlp import STEPS_PER_CALL  # noqa: E402
+from multi_gpu import datasets
+from dual_mlp import STEPS_PER_CALL
 
 BATCHES = (500, 5000, 20000)
 K = ["--steps-per-call", str(STEPS_PER_CALL)]
@@ -174,7 +173,7 @@ def demo(name, args, batch, workers, steps, tiles, tmp, env=None):
 def reference(system, options, env, label, batches, steps, data):
     """A reference system at every batch size, cycling through ``data``
     (it validates nothing, so no tiling changes its figures)."""
-    out = run([sys.executable, "bench/references.py", system, *options, "--dataset", data,
+    out = run([sys.executable, "-m", "bench.references", system, *options, "--dataset", data,
                "--batches", *map(str, batches), "--steps", str(steps)], env,
               optional=system in OPTIONAL)
     rates = json.loads(out.stdout.strip().splitlines()[-1])

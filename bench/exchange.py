@@ -1,7 +1,7 @@
 """The exchange's copy alone: GPU to GPU, by buffer size, against the link's limit.
 
-    python bench/exchange.py [--gpus 0 1] [--out bench/results]
-    python bench/exchange.py --allreduce [GPU ...]        # the N-way exchange beside NCCL
+    python -m bench.exchange [--gpus 0 1] [--out bench/results]
+    python -m bench.exchange --allreduce [GPU ...]        # the N-way exchange beside NCCL
 
 The 2014 demo's ``time_copy_proc.py`` brought up to date.  Two processes,
 each bound to one GPU as ``dual_mlp.py``'s workers are: the first allocates
@@ -45,9 +45,8 @@ import tempfile
 
 import numpy as np
 
-from common import RESULTS, ROOT, parse_args, pyplot, record, refuse_busy_gpus
+from bench.common import RESULTS, ROOT, parse_args, pyplot, record, refuse_busy_gpus
 
-sys.path.insert(0, ROOT)  # first: `import exchange` is the project's module, not this script
 
 SIZES = [4 << 10 << 2 * k for k in range(10)]  # 4 KB, 16 KB, ... 1 GB: cut to --max-mb
 MLP_BYTES = (784 * 500 + 500 + 500 * 10 + 10) * 4
@@ -112,8 +111,8 @@ def primary_context(drv, index):
 def owner(args):
     """Process 1: holds the source buffer and shares it by CUDA IPC."""
     import pycuda.driver as drv
-    from exchange import Peer
-    from launcher import stopping
+    from multi_gpu.links import Peer
+    from multi_gpu.worker import stopping
     drv.init()
     context = primary_context(drv, 0)
     src = gpu_memory(drv, (args.max_mb << 20) + 4, fill=True)
@@ -130,8 +129,8 @@ def owner(args):
 def reader(args):
     """Process 2: opens the owner's buffer and times copies out of it."""
     import pycuda.driver as drv
-    from exchange import Peer
-    from launcher import stopping
+    from multi_gpu.links import Peer
+    from multi_gpu.worker import stopping
     drv.init()
     context = primary_context(drv, 0)
     peer = Peer(args.rundir, 1, 2, args.timeout, stopping)
@@ -192,7 +191,8 @@ def refuse(rows, limit, what):
 def together(commands, timeout, what):
     """Run ``commands`` ([(argv, the GPUs it sees)]) at once, to the end; each
     prints its figures as JSON on its last line, which this returns."""
-    procs = [subprocess.Popen(argv, env=dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpus)),
+    procs = [subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ,
+                                                       CUDA_VISIBLE_DEVICES=",".join(gpus)),
                               stdout=subprocess.PIPE, text=True) for argv, gpus in commands]
     try:
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -206,7 +206,7 @@ def together(commands, timeout, what):
 
 def run_workers(args):
     """The two-process sweep and the one-process sweep, each in its own processes."""
-    me = [sys.executable, os.path.abspath(__file__), "--max-mb", str(args.max_mb),
+    me = [sys.executable, "-m", "bench.exchange", "--max-mb", str(args.max_mb),
           "--timeout", str(args.timeout)]
     with tempfile.TemporaryDirectory() as rundir:
         two = together([(me + ["--role", role, "--rundir", rundir], [gpu])
@@ -240,7 +240,7 @@ def replayable(stream, enqueue, times):
     a CUDA graph: a function that replays them on it, as XLA replays the
     training step's kernels, with no host between them."""
     from cuda.bindings import driver as cu
-    from stream_exchange import checked
+    from multi_gpu.stream_exchange import checked
     handle = cu.CUstream(stream.handle)
     checked(cu.cuStreamBeginCapture(handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
     for _ in range(times):
@@ -256,9 +256,9 @@ def exchange_worker(args):
     from Python one at a time (the host's rate) and replayed from a CUDA graph
     (the GPU's)."""
     import pycuda.driver as drv
-    from exchange import Layout, Peer
-    from launcher import stopping
-    from stream_exchange import StreamExchange
+    from multi_gpu.links import Layout, Peer
+    from multi_gpu.worker import stopping
+    from multi_gpu.stream_exchange import StreamExchange
     drv.init()
     context = primary_context(drv, 0)
     byte_sizes = sizes(args.max_mb)
@@ -356,10 +356,10 @@ def nccl_worker(args):
 
 def run_allreduce(args):
     """Both sweeps, each in one process per worker; returns the rows by size."""
-    from launcher import free_port
+    from multi_gpu.launcher import free_port
     gpus = args.allreduce or [str(i) for i in range(gpu_count())]
     n, shared = len(gpus), len(set(gpus)) < len(gpus)
-    me = [sys.executable, os.path.abspath(__file__), "--max-mb", str(args.max_mb),
+    me = [sys.executable, "-m", "bench.exchange", "--max-mb", str(args.max_mb),
           "--timeout", str(args.timeout), "--workers", str(n)]
 
     def sweep_of(role, extra):

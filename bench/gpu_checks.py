@@ -1,6 +1,6 @@
 """Run the GPU tests (pytest -m gpu) on this machine and record the outcome.
 
-    python bench/gpu_checks.py [--out bench/results]
+    python -m bench.gpu_checks [--out bench/results]
 
 Writes gpu_checks.json (date, machine, command, pass/fail counts, each test's
 outcome and seconds) and gpu_checks.log (pytest's own output)."""
@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 
-from common import RESULTS, ROOT, record
+from bench.common import RESULTS, ROOT, record
 
 
 def main():

@@ -1,6 +1,6 @@
 """Where a training step's time goes on one GPU: the host's calls, or the GPU.
 
-    python bench/host_time.py --dataset DIR [--batch-size 5000] [--steps 300]
+    python -m bench.host_time --dataset DIR [--batch-size 5000] [--steps 300]
 
 The same PyTensor-compiled step of the demo's model, called four ways, each
 timed over ``--steps`` steps after a warm-up:
@@ -21,21 +21,19 @@ import cProfile
 import io
 import os
 import pstats
-import sys
 import time
 
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")  # one GPU, as a worker sees it
 
-from common import RESULTS, ROOT, record
+from bench.common import RESULTS, record
 
-sys.path.insert(0, ROOT)
-import theano_flags  # noqa: E402,F401  (first: the flags, before PyTensor)
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+from multi_gpu import flags  # noqa: F401  (first: float32, as the scripts run)
+import jax
+import numpy as np
 
-import mlp  # noqa: E402
-from devices import JaxDevice, jax_train_step, storage  # noqa: E402
-from logistic_sgd import load_data  # noqa: E402
+import mlp
+from multi_gpu.devices import JaxDevice, jax_train_step, storage
+from logistic_sgd import load_data
 
 
 def measure(call, steps, wait):

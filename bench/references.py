@@ -1,9 +1,9 @@
 """What people use instead, on the same model and data, for bench/compare.py.
 
-    python bench/references.py torch      --dataset DIR --batches 500 5000 [--steps 200]
-    python bench/references.py ddp        --dataset DIR --batches 500 5000
-    python bench/references.py jax        --dataset DIR --batches 500 5000 [--steps-per-call K]
-    python bench/references.py pytensor   --dataset DIR --batches 500 5000 [--steps-per-call K]
+    python -m bench.references torch      --dataset DIR --batches 500 5000 [--steps 200]
+    python -m bench.references ddp        --dataset DIR --batches 500 5000
+    python -m bench.references jax        --dataset DIR --batches 500 5000 [--steps-per-call K]
+    python -m bench.references pytensor   --dataset DIR --batches 500 5000 [--steps-per-call K]
 
 The model is the demo's: 784-500-10, tanh, softmax negative log-likelihood
 plus 1e-4 times the squared L2 norm of the weights, plain SGD, float32 at
@@ -22,7 +22,7 @@ full precision (no TF32), the whole training set resident on each GPU.
 * ``pytensor``: the demo's own training step on one GPU at its best: the
   graph PyTensor compiles from the tutorial (``devices.jax_train_step``),
   jitted, weights donated, the minibatch picked by a counter on the device,
-  K steps a call (``dual_mlp.repeat``), the host running ahead.
+  K steps a call (``multi_gpu.trainer.repeat``), the host running ahead.
 
 ``--out DIR`` also records the result (``references_SYSTEM.json``).
 Each batch size is warmed up, then timed over ``--steps`` steps with the
@@ -38,13 +38,11 @@ import collections
 import functools
 import json
 import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import datasets  # noqa: E402
+from multi_gpu import datasets
 
 N_HIDDEN, WARM_UP = 500, 20
 DDP_GRAPH_WARM_UP = 11  # eager DDP steps before a capture, as PyTorch's CUDA graph notes ask
@@ -268,13 +266,13 @@ def pytensor_trainer(dataset, batch, hyper, steps_per_call=1, written_out=False)
     ``written_out``: an optimization barrier after each step, where the
     exchange stands in the GPU-ordered step, so that XLA must write every
     parameter out before the next step, as it must for any exchange
-    (``bench/step_cost.py``)."""
+    (``bench.step_cost``)."""
     import jax
     import jax.numpy as jnp
-    import theano_flags  # noqa: F401  (float32, as the scripts run)
-    import dual_mlp
+    from multi_gpu import flags  # noqa: F401  (first: float32, as the scripts run)
     import mlp
-    from devices import JaxDevice, jax_train_step, storage
+    from multi_gpu.devices import JaxDevice, jax_train_step, storage
+    from multi_gpu.trainer import repeat
     from logistic_sgd import load_data
     device = JaxDevice()
     model = mlp.Model(load_data(dataset, put=device.put), batch, learning_rate=hyper.learning_rate,
@@ -295,7 +293,7 @@ def pytensor_trainer(dataset, batch, hyper, steps_per_call=1, written_out=False)
 
     def step(k):
         if k not in programs:
-            programs[k] = jax.jit(dual_mlp.repeat(one, k), donate_argnums=(1, 2))
+            programs[k] = jax.jit(repeat(one, k), donate_argnums=(1, 2))
         state["state"] = programs[k](data, *state["state"])
 
     def error(xs, ys):
@@ -389,7 +387,7 @@ def ddp(args):
     """One process per GPU, DistributedDataParallel over NCCL."""
     import torch
     import torch.multiprocessing as mp
-    from launcher import free_port
+    from multi_gpu.launcher import free_port
     world, port = torch.cuda.device_count(), free_port()
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(ddp_worker, args=(world, port, args, queue), nprocs=world)
@@ -419,7 +417,7 @@ def main():
     result = ddp(args) if args.system.startswith("ddp") else job(args, datasets.read(args.dataset))
     print(json.dumps(result))
     if args.out:
-        from common import record
+        from bench.common import record
         record(f"references_{args.system}", args.out, result=result)
 
 

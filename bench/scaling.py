@@ -1,14 +1,14 @@
 """Scaling: samples/s for 1, 2, 4 and 8 workers, beside JAX's own data parallelism.
 
-    python bench/scaling.py --dataset /usr/share/datasets/fashion-mnist   # every GPU here
-    python bench/scaling.py --cpu                                          # 1-3 CPU workers
+    python -m bench.scaling --dataset /usr/share/datasets/fashion-mnist   # every GPU here
+    python -m bench.scaling --cpu                                          # 1-3 CPU workers
 
 For each worker count N up to the GPUs this machine has (1, 2, 4, 8) and each
 batch size per GPU: the demo on N GPUs with ``--exchange xla`` (N = 1: the
 project's model on one GPU, ``mlp.py``), the peer-to-peer exchange
 (``--exchange p2p``: ordered by the GPUs, by the host on CPUs) from N = 2 on,
 and JAX's own data parallelism over the
-same N GPUs (``bench/references.py jax`` with those GPUs visible).  Scaling
+same N GPUs (``bench.references jax`` with those GPUs visible).  Scaling
 efficiency is N-worker samples/s over N times the one-worker figure of the
 same system.  A short ``--check`` run per N confirms identical replicas.  A
 run that fails stops the benchmark.  Writes ``scaling.json`` (command, date,
@@ -20,14 +20,12 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 
-from common import RESULTS, ROOT, parse_args, pyplot, rate, rate_unit, record
-from compare import Tiles, demo, reference
+from bench.common import RESULTS, parse_args, pyplot, rate, rate_unit, record
+from bench.compare import Tiles, demo, reference
 
-sys.path.insert(0, ROOT)
-import datasets  # noqa: E402
+from multi_gpu import datasets
 
 JAX = "JAX jit over a mesh of the same devices"
 DEMO = "the demo (mlp.py on one, --exchange xla on more)"

@@ -1,7 +1,7 @@
 """What the GPU-ordered exchange costs a step, on one GPU: the plain step beside it, in loopback.
 
-    python bench/step_cost.py --dataset /usr/share/datasets/fashion-mnist    # GPU 0
-    python bench/step_cost.py --cpu                                          # CI's subset
+    python -m bench.step_cost --dataset /usr/share/datasets/fashion-mnist    # GPU 0
+    python -m bench.step_cost --cpu                                          # CI's subset
 
 On one device, at batch 100, 500 and 5000 and at 1 and K steps per call:
 
@@ -41,9 +41,8 @@ import time
 
 import numpy as np
 
-from common import RESULTS, ROOT, keep_to_one_device, one_device, parse_args, record
+from bench.common import RESULTS, keep_to_one_device, one_device, parse_args, record
 
-sys.path.insert(0, ROOT)
 
 TARGET = 1.15  # for the GPU-ordered step
 ORDERED, XLA = "GPU-ordered step, loopback", "--exchange xla, a world of one"
@@ -54,7 +53,7 @@ def plain_step(dataset, batch, steps_per_call, written_out=False):
     """``(run(calls), wait, host seconds so far)`` of the plain step: the best
     one-GPU program of ``references.py pytensor``, K steps a call
     (``written_out``: with every parameter written out between steps)."""
-    import references
+    from bench import references
     trainer = references.pytensor_trainer(dataset, batch, references.DEFAULTS, steps_per_call,
                                           written_out)
     host = 0.0
@@ -104,11 +103,8 @@ def gpu_ordered_step(model, device, steps_per_call, cpu):
     """``(run(calls), wait, host seconds so far, trainer)`` of dual_mlp's
     GPU-ordered trainer in loopback."""
     import dual_mlp
-    import stream_exchange
-    if cpu:
-        stream_exchange.StreamExchange = HostEcho
     trainer = dual_mlp.GpuOrdered(0, 1, model, device, None, check=False, watchdog=None,
-                                  steps_per_call=steps_per_call)
+                                  steps_per_call=steps_per_call, exchange=HostEcho if cpu else None)
     trainer.exchange.loopback()
     return (*its_own_epochs(trainer), trainer)
 
@@ -116,8 +112,8 @@ def gpu_ordered_step(model, device, steps_per_call, cpu):
 def world_of_one(cpu):
     """``--exchange xla``'s runtime with this process its only worker (it
     must start before anything else touches JAX)."""
-    from exchange import XlaExchange
-    from launcher import free_port
+    from multi_gpu.links import XlaExchange
+    from multi_gpu.launcher import free_port
     return XlaExchange(f"127.0.0.1:{free_port()}", 1, 0, timeout=60, cpu=cpu, one_machine=True)
 
 
@@ -161,7 +157,7 @@ def figure(system, batch, k, rounds, plain=None, **more):
 
 
 def main():
-    import datasets
+    from multi_gpu import datasets
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default=datasets.SHIPPED,
                         help="training data (default: the shipped digits)")

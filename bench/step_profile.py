@@ -1,14 +1,14 @@
 """Where one training step's device time goes: PyTensor's step beside the hand-written JAX step.
 
-    python bench/step_profile.py --dataset /usr/share/datasets/fashion-mnist   # GPU 0
-    python bench/step_profile.py --cpu                                          # CI's subset
+    python -m bench.step_profile --dataset /usr/share/datasets/fashion-mnist   # GPU 0
+    python -m bench.step_profile --cpu                                          # CI's subset
 
 On one device, the same model and batch (default 20000): the training step
 that PyTensor's JAX backend builds from the tutorial's graph (as the demo
 runs it: jitted, weights donated, the minibatch index kept on the device,
 ``--steps-per-call`` steps a program),
-the hand-written JAX step of ``bench/references.py``, and on a GPU the
-demo's GPU-ordered step with its exchange in loopback (``bench/step_cost.py``):
+the hand-written JAX step of ``bench.references``, and on a GPU the
+demo's GPU-ordered step with its exchange in loopback (``bench.step_cost``):
 where the exchange's time goes, kernel by kernel.  Each is timed as
 ``references.py`` times its systems (``references.step_us``), then 50
 steps of each are profiled (``jax.profiler``) and the device's time per
@@ -19,13 +19,11 @@ import argparse
 import collections
 import glob
 import os
-import sys
 import tempfile
 
-from common import RESULTS, ROOT, one_device, record
+from bench.common import RESULTS, one_device, record
 
-sys.path.insert(0, ROOT)
-import datasets  # noqa: E402
+from multi_gpu import datasets
 
 PROFILED = 50
 
@@ -69,8 +67,8 @@ def main():
         args.batch, args.steps = 500, min(args.steps, 20)
     device = one_device(args.cpu)
     import mlp
-    import references
-    import step_cost
+    from bench import references
+    from bench import step_cost
     from logistic_sgd import load_data
 
     k = args.steps_per_call

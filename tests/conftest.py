@@ -13,12 +13,11 @@ import numpy as np
 import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-FASHION = Path(os.environ.get("FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
+import mlp
+from multi_gpu import datasets
 
-import datasets  # noqa: E402
-import mlp  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+FASHION = Path(os.environ.get("FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
 
 SHAPES = mlp.parameter_shapes(784, 500, 10)  # the demo's model: its checkpoints hold these
 
@@ -36,8 +35,10 @@ def environment(env=None):
 
 
 def script(name, *args, env=None, timeout=600, cwd=ROOT):
-    """Run one of the repository's scripts to completion; returns CompletedProcess."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / name), *map(str, args)], cwd=cwd,
+    """Run one of the repository's scripts (a file, or a benchmark's module:
+    bench.compare) to completion; returns CompletedProcess."""
+    target = [str(ROOT / name)] if name.endswith(".py") else ["-m", name]
+    proc = subprocess.Popen([sys.executable, *target, *map(str, args)], cwd=cwd,
                             env=environment(env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     LAUNCHERS.add(proc.pid)

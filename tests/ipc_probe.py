@@ -1,21 +1,19 @@
 """One worker of an N-process weight exchange, for test_gpu.py.
 
-    python tests/ipc_probe.py RANK N RUNDIR GPU [--staged]
+    PYTHONPATH=. python tests/ipc_probe.py RANK N RUNDIR GPU [--staged]
 
 Publishes the MLP's parameter shapes filled with this rank's random numbers,
 fetches everyone's through the real transport, and exits 0 only if every
 value arrived bit for bit (three rounds, the send buffers reused)."""
-import os
 import sys
 import threading
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import numpy as np  # noqa: E402
+import numpy as np
 
-import exchange  # noqa: E402
-import mlp  # noqa: E402
-from devices import CudaDevice  # noqa: E402
-from exchange import Layout, Peer  # noqa: E402
+import dual_mlp
+import mlp
+from multi_gpu.devices import CudaDevice
+from multi_gpu.links import Layout, Peer
 
 
 def arrays(rank, round_):
@@ -27,7 +25,7 @@ def main():
     rank, n, rundir, gpu = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     device = CudaDevice(gpu)  # started with CUDA_VISIBLE_DEVICES=gpu, as a worker is
     layout = Layout(mlp.parameter_shapes(784, 500, 10), np.float32)
-    transport = exchange.transport(device, rundir, rank, n, layout, "--staged" in sys.argv)
+    transport = dual_mlp.transport(device, rundir, rank, n, layout, "--staged" in sys.argv)
     peer = Peer(rundir, rank, n, 60, threading.Event())
     try:
         transport.connect(peer.exchange(transport.handle()))

@@ -4,27 +4,20 @@ import json
 import pytest
 
 from conftest import script
-from datasets import SHIPPED
+from multi_gpu.datasets import SHIPPED
 
 
 def bench_module(name):
-    """bench/<name>.py as a module, loaded from its file: bench/exchange.py's
-    name is taken by the project's exchange.py."""
-    import importlib.util
-    import sys
-    from conftest import ROOT
-    sys.path.insert(0, str(ROOT / "bench"))  # for the scripts' own `import common`
-    spec = importlib.util.spec_from_file_location(f"{name}_bench", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """bench/<name>.py, imported by its name."""
+    import importlib
+    return importlib.import_module(f"bench.{name}")
 
 
 def test_compare_cpu_subset_measures_both_systems_and_writes_its_files(tmp_path):
-    out = script("bench/compare.py", "--cpu", "--out", tmp_path, timeout=600)
+    out = script("bench.compare", "--cpu", "--out", tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / "compare_cpu.json").read_text())
-    assert result["complete"] is True and result["command"].startswith("python bench/compare.py")
+    assert result["complete"] is True and result["command"].startswith("python -m bench.compare")
     systems = {f["system"]: f for f in result["figures"]}
     assert set(systems) == {"one CPU process (mlp.py)", "demo cpu cpu"}
     for f in systems.values():
@@ -38,7 +31,7 @@ def test_the_training_set_is_tiled_for_enough_steps_per_epoch_at_every_batch(tmp
     """The demo drains its queue at every epoch's validation; the references
     never do.  Each batch size gets a tiling with at least the steps asked
     for per epoch, written once however often it is asked for."""
-    import datasets
+    from multi_gpu import datasets
     compare = bench_module("compare")
     tiles = compare.Tiles(SHIPPED, str(tmp_path), 4)
     n = len(datasets.read(SHIPPED)[0][0])
@@ -54,7 +47,7 @@ def test_the_training_set_is_tiled_for_enough_steps_per_epoch_at_every_batch(tmp
 
 
 def test_compare_stops_at_a_failing_run_without_figures(tmp_path):
-    out = script("bench/compare.py", "--cpu", "--out", tmp_path, "--dataset", tmp_path / "none")
+    out = script("bench.compare", "--cpu", "--out", tmp_path, "--dataset", tmp_path / "none")
     assert out.returncode != 0
     assert out.stderr.strip().splitlines() == [f"compare.py: error: {tmp_path / 'none'}: cannot "
                                                "read: No such file or directory"]
@@ -69,7 +62,7 @@ def test_compare_refuses_to_measure_beside_another_process_on_the_gpus(tmp_path)
     fake.parent.mkdir()
     fake.write_text("#!/bin/sh\necho '4242, python, 1200 MiB'\n")
     fake.chmod(0o755)
-    out = script("bench/compare.py", "--cpu", "--out", tmp_path,
+    out = script("bench.compare", "--cpu", "--out", tmp_path,
                  env={"PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"})
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
@@ -98,14 +91,14 @@ def test_exchange_bench_sizes_span_4_kb_to_the_maximum_and_the_mlp():
 
 
 def test_exchange_bench_help_and_bad_values():
-    out = script("bench/exchange.py", "--help")
+    out = script("bench.exchange", "--help")
     assert out.returncode == 0 and "--link-gbps" in out.stdout
-    out = script("bench/exchange.py", "--max-mb", "3")
+    out = script("bench.exchange", "--max-mb", "3")
     assert out.returncode == 2 and "power of two" in out.stderr
 
 
 def test_accuracy_cpu_subset_records_curves_and_when_each_system_reached_the_target(tmp_path):
-    out = script("bench/accuracy.py", "--cpu", "--epochs", 4, "--target", 0.85, "--out", tmp_path)
+    out = script("bench.accuracy", "--cpu", "--epochs", 4, "--target", 0.85, "--out", tmp_path)
     assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / "accuracy_cpu.json").read_text())
     assert result["complete"] is True and result["target"] == 0.85
@@ -128,7 +121,7 @@ def test_accuracy_cpu_subset_records_curves_and_when_each_system_reached_the_tar
 def test_jax_reference_trains_the_tutorial_model_like_mlp_py(tmp_path, system, k):
     """The reference's learning curve is mlp.py's: same weights, minibatches and
     order, one step or K steps a call (30 steps an epoch: calls of 4 and 2)."""
-    out = script("bench/references.py", system, "--curve", "--dataset", SHIPPED, "--batches", 100,
+    out = script("bench.references", system, "--curve", "--dataset", SHIPPED, "--batches", 100,
                  "--epochs", 2, "--learning-rate", 0.1, "--l2", 0, "--steps-per-call", k)
     assert out.returncode == 0, out.stderr
     reference = json.loads(out.stdout.strip().splitlines()[-1])["curve"]
@@ -160,7 +153,7 @@ def test_an_optional_reference_that_fails_is_reported_not_fatal(capsys):
 
 
 def test_scaling_cpu_measures_one_to_three_workers_with_identical_replicas(tmp_path):
-    out = script("bench/scaling.py", "--cpu", "--out", tmp_path, timeout=600)
+    out = script("bench.scaling", "--cpu", "--out", tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / "scaling_cpu.json").read_text())
     assert result["workers"] == [1, 2, 3]
@@ -184,10 +177,10 @@ def test_scaling_cpu_measures_one_to_three_workers_with_identical_replicas(tmp_p
 
 
 def test_step_profile_cpu_times_both_steps_and_names_their_kernels(tmp_path):
-    out = script("bench/step_profile.py", "--cpu", "--out", tmp_path, timeout=600)
+    out = script("bench.step_profile", "--cpu", "--out", tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / "step_profile_cpu.json").read_text())
-    assert result["command"].startswith("python bench/step_profile.py") and result["batch"] == 500
+    assert result["command"].startswith("python -m bench.step_profile") and result["batch"] == 500
     assert set(result["systems"]) == {"PyTensor's step (the demo's)", "hand-written JAX step"}
     for system in result["systems"].values():
         assert system["step_us"] > 0
@@ -203,10 +196,10 @@ def test_step_cost_cpu_times_the_plain_written_out_and_both_ordered_steps_and_co
     ``--exchange xla`` runs in a world of one over gloo: the script's runs of
     dual_mlp.GpuOrdered and XlaOrdered, their figures and the once-a-step
     counts are what is tested."""
-    out = script("bench/step_cost.py", "--cpu", "--out", tmp_path, timeout=600)
+    out = script("bench.step_cost", "--cpu", "--out", tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / "step_cost_cpu.json").read_text())
-    assert result["command"].startswith("python bench/step_cost.py") and result["target"] == 1.15
+    assert result["command"].startswith("python -m bench.step_cost") and result["target"] == 1.15
     seen = {(f["system"], f["steps_per_call"]): f for f in result["figures"]}
     ordered_systems = ("GPU-ordered step, loopback", "--exchange xla, a world of one")
     assert set(seen) == {(s, k) for s in ("plain step", "plain step, written out",

@@ -12,9 +12,8 @@ import time
 import numpy as np
 import pytest
 
-import cli
 import mlp
-import records
+from multi_gpu import cli, records
 from conftest import (LAUNCHERS, SHAPES, ROOT, dual, environment, finish, script,
                       start_checkpointing)
 

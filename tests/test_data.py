@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-import datasets
+from multi_gpu import datasets
 from conftest import FASHION, corrupt_cases, idx_folder, splits
 
 

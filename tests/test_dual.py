@@ -5,10 +5,9 @@ import json
 import numpy as np
 import pytest
 
-import datasets
 import mlp
-import records
 from logistic_sgd import load_data
+from multi_gpu import datasets, records
 from conftest import FASHION, SHAPES, dual, script
 
 

@@ -8,12 +8,11 @@ import time
 import numpy as np
 import pytest
 
-import datasets
-import records
+from multi_gpu import datasets, records
 from conftest import (SHAPES, corrupt_cases, dual, finish, kill_one_worker, run_directories,
                       start_checkpointing, start_dual, wait_for, wait_until_training,
                       workers_of)
-from launcher import usable_gpus
+from multi_gpu.launcher import usable_gpus
 
 
 @pytest.mark.parametrize("fault,cause", [
@@ -185,8 +184,8 @@ def test_the_last_message_before_a_close_is_delivered(tmp_path):
 
     import numpy as np
 
-    from exchange import Peer
-    from launcher import StopRequest
+    from multi_gpu.links import Peer
+    from multi_gpu.worker import StopRequest
     big = np.arange(16 << 20, dtype=np.float32)  # 64 MB: still in flight at the close
     got = {}
 
@@ -211,8 +210,8 @@ def test_a_barrier_timeout_names_the_worker_that_stopped_not_one_waiting_for_it(
     must be named after the worker whose heartbeat stopped (seen in CI as
     "worker 1 did not reach barrier 2").  Here worker 1 keeps its heartbeat
     and never answers, worker 2's heartbeat is a minute old."""
-    from exchange import Peer, PeerError
-    from launcher import StopRequest, heartbeat_path
+    from multi_gpu.links import Peer, PeerError
+    from multi_gpu.worker import StopRequest, heartbeat_path
     for rank in (1, 2):
         open(heartbeat_path(str(tmp_path), rank), "w").close()
     stale = time.time() - 60

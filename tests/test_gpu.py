@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-import records
+from multi_gpu import records
 from conftest import (FASHION, ROOT, SHAPES, dual, finish, kill_one_worker, start_checkpointing,
                       start_dual, wait_until_training, workers_of)
-from launcher import usable_gpus, worker_environment
+from multi_gpu.launcher import usable_gpus, worker_environment
 
 N_GPUS = usable_gpus()[0]
 pytestmark = [pytest.mark.gpu,
@@ -48,7 +48,9 @@ def test_ipc_copy_is_exact_for_every_parameter_shape(devices, staged):
         procs = [subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "ipc_probe.py"), str(rank), str(len(devices)),
              rundir, dev] + (["--staged"] if staged else []),
-            env=worker_environment(dev, len(devices)), stdout=subprocess.PIPE,
+            env=dict(worker_environment(dev, len(devices)),  # the probe imports the package
+                     PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])),
+            stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)
             for rank, dev in enumerate(devices)]
         for p in procs:
@@ -178,10 +180,10 @@ def test_three_workers_on_one_gpu_follow_the_cpu_path(tmp_path, sync):
 
 
 def test_the_exchange_bench_checks_the_n_way_kernel_on_one_gpu(tmp_path):
-    """bench/exchange.py --allreduce: a world of one (its own cost), and three
+    """bench.exchange --allreduce: a world of one (its own cost), and three
     workers time-sliced on GPU 0, every result checked against the host's mean."""
     for gpus in (["0"], ["0", "0", "0"]):
-        out = subprocess.run([sys.executable, str(ROOT / "bench" / "exchange.py"), "--allreduce",
+        out = subprocess.run([sys.executable, "-m", "bench.exchange", "--allreduce",
                               *gpus, "--max-mb", "4", "--out", str(tmp_path)], cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
@@ -202,7 +204,7 @@ def test_a_cuda_graph_reference_learns_as_eager_pytorch_does(system):
     curve is eager PyTorch's (it once read freed memory for its minibatch
     rows once the first validation had taken it, and fell behind)."""
     def curve(name):
-        out = subprocess.run([sys.executable, str(ROOT / "bench" / "references.py"), name,
+        out = subprocess.run([sys.executable, "-m", "bench.references", name,
                               "--curve", "--dataset", str(FASHION), "--batches", "100",
                               "--epochs", "3"], cwd=ROOT, capture_output=True, text=True,
                              timeout=300)

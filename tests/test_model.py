@@ -4,15 +4,15 @@ import shutil
 import subprocess
 import types
 
-import theano_flags  # first, as in the scripts: it sets PyTensor's flags before PyTensor starts
+from multi_gpu import flags as theano_flags  # first: PyTensor's flags
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
 
-import datasets
 import mlp
 from logistic_sgd import LogisticRegression, load_data, minibatch
+from multi_gpu import datasets
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_after_the_warm_up_the_jax_step_does_not_compile_again():
     """Warmed up on NumPy weights and then handed device arrays, JAX compiled
     the step a second time inside the timed loop (seen on the H200s: 0.7 s
     per run, a one-GPU figure eight times too slow)."""
-    from devices import JaxDevice
+    from multi_gpu.devices import JaxDevice
     device = JaxDevice()
     model = mlp.Model(load_data(datasets.SHIPPED, put=device.put), 20, mode="JAX")
     model.warm_up(put=device.put)
@@ -135,16 +135,14 @@ def test_after_the_warm_up_the_jax_step_does_not_compile_again():
     assert not [m for m in compiled if "Compiling" in m], compiled
 
 
-def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_weights(
-        monkeypatch):
+def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_weights():
     """The JAX side of ``--sync gpu`` (flat weights, the minibatch picked by a
     counter in the donated state, K steps a call), run on JAX's CPU with an
     exchange that hands back this worker's own new weights, as the mean of
     replicas that all hold them would be: each step must then be PyTensor's
     own SGD step.  The CUDA side runs in the GPU tests."""
     import dual_mlp
-    import stream_exchange
-    from devices import JaxDevice
+    from multi_gpu.devices import JaxDevice
 
     class EchoExchange:
         callbacks = 0
@@ -155,7 +153,6 @@ def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_wei
         def __call__(self, params, gradients):
             return [p - self.rate * g for p, g in zip(params, gradients)]
 
-    monkeypatch.setattr(stream_exchange, "StreamExchange", EchoExchange)
     device = JaxDevice()
     model = mlp.Model(load_data(datasets.SHIPPED, put=device.put), 100, learning_rate=0.1,
                       mode="JAX")
@@ -163,7 +160,7 @@ def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_wei
     start = model.get_params()
     no_peer = types.SimpleNamespace(gather=None, barrier=lambda: None)
     trainer = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, watchdog=None,
-                                  steps_per_call=1)
+                                  steps_per_call=1, exchange=EchoExchange)
     trainer.done = lambda step: True  # no counter in host memory without the CUDA side
     trainer.epoch(5)
     for i in range(5):
@@ -176,10 +173,10 @@ def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_wei
     # and of the 2 left at the end of an epoch of 30 taking the same minibatches
     model.set_params(start, put=device.put)
     many = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, watchdog=None,
-                               steps_per_call=4)
+                               steps_per_call=4, exchange=EchoExchange)
     many.done = trainer.done
     one = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, watchdog=None,
-                              steps_per_call=1)
+                              steps_per_call=1, exchange=EchoExchange)
     one.done = trainer.done
     for t in (many, one):
         t.epoch(30)
@@ -188,7 +185,7 @@ def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_wei
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_gpu_ordered_programs_are_compiled_before_the_first_epoch(monkeypatch):
+def test_gpu_ordered_programs_are_compiled_before_the_first_epoch():
     """The GPU-ordered trainer compiles its programs ahead (no peer is there
     yet to run them) and then calls them through jit, whose fast dispatch a
     compiled-ahead program with a callback in it does not get: the first
@@ -198,8 +195,7 @@ def test_gpu_ordered_programs_are_compiled_before_the_first_epoch(monkeypatch):
     from jax.experimental.buffer_callback import buffer_callback
 
     import dual_mlp
-    import stream_exchange
-    from devices import JaxDevice
+    from multi_gpu.devices import JaxDevice
 
     class CountingEcho:
         callbacks = 0
@@ -219,12 +215,11 @@ def test_gpu_ordered_programs_are_compiled_before_the_first_epoch(monkeypatch):
         def steps_done(self):
             return self.steps
 
-    monkeypatch.setattr(stream_exchange, "StreamExchange", CountingEcho)
     device = JaxDevice()
     model = mlp.Model(load_data(datasets.SHIPPED, put=device.put), 100, mode="JAX")
     no_peer = types.SimpleNamespace(gather=None, barrier=lambda: None)
     trainer = dual_mlp.GpuOrdered(0, 1, model, device, no_peer, check=False, watchdog=None,
-                                  steps_per_call=4)
+                                  steps_per_call=4, exchange=CountingEcho)
     with jax_compiles() as compiled:
         trainer.epoch(30)  # calls of 4, and the 2 left at the end
     assert not [m for m in compiled if "Compiling" in m], compiled
@@ -236,7 +231,7 @@ def test_the_exchange_kernel_cuts_the_weights_into_chunks_every_gpu_shares():
     XLA gave each GPU's buffers: the chunks follow the layout only.  16-byte
     chunks where a parameter starts on 16 bytes of the flat layout (the
     MLP's four do), single floats where it does not; a short last chunk."""
-    from stream_exchange import WIDTH, Segments, slot_floats
+    from multi_gpu.stream_exchange import WIDTH, Segments, slot_floats
 
     def plan(sizes, base):
         segments = Segments.of([(base + 1000 * i, n) for i, n in enumerate(sizes)])
@@ -256,11 +251,9 @@ def test_the_exchange_kernel_compiles_for_an_h200(tmp_path):
     compiles for the H200 (sm_90) with no stack frame (a struct indexed at
     run time lands in local memory: a version so built ran 4 us a step
     slower): a machine without a GPU catches it before the device does."""
-    from stream_exchange import kernel_source
-    source = tmp_path / "exchange.cu"
-    source.write_text(kernel_source())
-    built = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-Xptxas", "-v", str(source),
-                            "-o", str(tmp_path / "exchange.cubin")],
+    from multi_gpu.stream_exchange import KERNELS, kernel_options
+    built = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-Xptxas", "-v", *kernel_options(),
+                            KERNELS, "-o", str(tmp_path / "exchange.cubin")],
                            capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
     assert "0 bytes stack frame, 0 bytes spill stores" in built.stderr, built.stderr

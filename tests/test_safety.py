@@ -15,12 +15,11 @@ import numpy as np
 import psutil
 import pytest
 
-import datasets
-import records
+from multi_gpu import datasets, records
 from conftest import (LAUNCHERS, ROOT, SHAPES, TOKEN, dual, finish, kill_one_worker,
                       leftover_workers, run_directories, script, start_checkpointing,
                       start_dual, start_node, wait_for, wait_until_training, workers_of)
-from launcher import free_port
+from multi_gpu.launcher import free_port
 
 
 def one_line(out, code, *words):

@@ -10,10 +10,10 @@ import signal
 import numpy as np
 import pytest
 
-import records
+from multi_gpu import records
 from conftest import (SHAPES, dual, finish, kill_one_worker, leftover_workers, run_directories,
                       start_dual, start_node, wait_for, wait_until_training, workers_of)
-from launcher import free_port
+from multi_gpu.launcher import free_port
 
 
 def run(tmp_path, name, *args, **kw):

@@ -15,6 +15,7 @@ A PyTensor shared variable holds its array in ``container.storage[0]``.
 back to NumPy, so that data and weights stay on the device: a shared
 variable holding a NumPy array is sent to the GPU again at every call.
 """
+from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import contextlib
 import os
 import platform

@@ -13,6 +13,7 @@ Shared by ``mlp.py`` (one process) and ``dual_mlp.py`` (its worker 0).
 * The learning curve: one ``epoch_record`` per epoch.
 * The summary: one JSON document per run (``--json``), written atomically.
 """
+from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import contextlib
 import datetime
 import fcntl
@@ -24,7 +25,7 @@ import sys
 
 import numpy as np
 
-import datasets
+from multi_gpu import datasets
 
 
 class CheckpointError(Exception):

@@ -92,7 +92,9 @@ binding of the CUDA driver API): PyCUDA launches only on its own stream
 objects, while XLA hands the callback a raw stream handle.  PyCUDA compiles
 the kernel, allocates the buffers and opens the IPC handles.
 """
+import multi_gpu.flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import ctypes
+import os
 
 import numpy as np
 
@@ -142,177 +144,15 @@ def slot_floats(n):
     return -(-n // 32) * 32
 
 
-KERNELS = r"""
-#define MAX_WORKERS %(max_workers)d
-#define MAX_SEGMENTS %(max_segments)d
-#define GRID %(grid)d
-#define BLOCK %(block)d
-
-// One worker's counters, in its GPU's memory; the other workers write
-// published, over NVLink, block by block.
-struct Flags {
-    int step[GRID];                          // the steps block b has begun here
-    int published[GRID][MAX_WORKERS];        // [b][w]: the last step worker w's block b published
-};
-
-// Every worker's buffers, as this GPU addresses them (its own included):
-// passed by value, and indexed only by numbers the compiler knows (pick),
-// so that they stay in the kernel's parameters, not in local memory.
-struct Peers {
-    float *send[MAX_WORKERS];
-    Flags *flags[MAX_WORKERS];
-};
-
-// The weights the step trains, as XLA holds them: one buffer per parameter,
-// in the layout's order, and each one's gradient (null: none, no update).
-// Each is cut into chunks of ``width`` floats (4, or 1 where the segment
-// does not start on 16 bytes of the flat layout; its last chunk may be
-// short), numbered across the segments: thread q of the grid moves chunks
-// q, q + GRID * BLOCK, ...  Passed by value.
-struct Segments {
-    float *data[MAX_SEGMENTS];
-    const float *gradient[MAX_SEGMENTS];
-    long long start[MAX_SEGMENTS];           // where it begins in the flat layout (send slots)
-    long long length[MAX_SEGMENTS];
-    int width[MAX_SEGMENTS];
-    long long chunks_end[MAX_SEGMENTS];      // chunks in this segment and all before it
-    int count;
-};
-
-// Up to four consecutive floats of one parameter: what a thread moves at once.
-struct Chunk {
-    float *weights;                          // in XLA's buffer
-    const float *gradient;                   // the same floats' gradient, or null
-    long long flat;                          // the same floats' index in a send slot
-    int count;
-};
-
-__device__ Flags flags_size;  // never used: its size, read at load, sizes the allocation
-
-// from[w] for a w known only at run time, by selects: indexing the array
-// itself would copy it into local memory.  For ``rank`` the compiler folds
-// the selects back into an index, so the kernel takes peers.flags[rank] and
-// peers.send[rank] as arguments of their own.
-template <typename T> __device__ T pick(T const (&from)[MAX_WORKERS], int w) {
-    T p = from[0];
-#pragma unroll
-    for (int k = 1; k < MAX_WORKERS; ++k) if (k == w) p = from[k];
-    return p;
-}
-
-// An acquire load at system scope: what the GPU that stored the value wrote
-// before its release is visible to this thread's later reads.
-__device__ int load_acquire(const int *p) {
-    int v;
-    asm volatile("ld.acquire.sys.global.b32 %%0, [%%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-// A release store at system scope: what this block wrote before the
-// __syncthreads() that precedes it is visible to any GPU that sees the value.
-// Its fence waits until the block's stores have reached every GPU: ~1 us.
-__device__ void store_release(int *p, int v) {
-    asm volatile("st.release.sys.global.b32 [%%0], %%1;" :: "l"(p), "r"(v) : "memory");
-}
-
-// Thread w < N waits until worker w's counter here reaches t: a spin on this
-// GPU's own memory, ~1 us once the other's store has crossed NVLink.
-__device__ void wait_for(const int *counter, int t) {
-    while (load_acquire(counter) < t) __nanosleep(32);
-}
-
-// Chunk q: a thread's q only grows, so its segment s only moves on.
-__device__ Chunk chunk(const Segments &w, int &s, long long q) {
-    while (q >= w.chunks_end[s]) ++s;
-    const long long offset = (q - (s ? w.chunks_end[s - 1] : 0)) * w.width[s];
-    return {w.data[s] + offset, w.gradient[s] ? w.gradient[s] + offset : nullptr,
-            w.start[s] + offset,
-            (int)min((long long)w.width[s], w.length[s] - offset)};
-}
-
-// A chunk in one 16-byte access where it can be, float by float where it
-// cannot (a short chunk, or an XLA buffer not on 16 bytes).
-__device__ bool whole(const float *p, int count) {
-    return count == 4 && ((unsigned long long)p & 15) == 0;
-}
-
-__device__ float4 load(const float *p, int count) {
-    if (whole(p, count)) return *(const float4 *)p;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) if (k < count) v[k] = p[k];
-    return make_float4(v[0], v[1], v[2], v[3]);
-}
-
-__device__ void store(float *p, float4 v, int count) {
-    if (whole(p, count)) { *(float4 *)p = v; return; }
-    const float f[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) if (k < count) p[k] = f[k];
-}
-
-__device__ float4 operator+(float4 a, float4 b) {
-    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
-}
-
-__device__ float4 operator/(float4 a, float n) {
-    return make_float4(a.x / n, a.y / n, a.z / n, a.w / n);
-}
-
-// The tutorial's SGD update, w - rate * g, rounded as PyTensor's graph
-// rounds it: a product, then a difference (no fused multiply-add).
-__device__ float4 updated(float4 w, float4 g, float rate) {
-    return make_float4(__fsub_rn(w.x, __fmul_rn(rate, g.x)), __fsub_rn(w.y, __fmul_rn(rate, g.y)),
-                       __fsub_rn(w.z, __fmul_rn(rate, g.z)), __fsub_rn(w.w, __fmul_rn(rate, g.w)));
-}
-
-// What a worker publishes of a chunk: its weights after this step's update.
-__device__ float4 published_chunk(const Chunk &c, float rate) {
-    const float4 w = load(c.weights, c.count);
-    return c.gradient ? updated(w, load(c.gradient, c.count), rate) : w;
-}
-
-extern "C" __global__ void __launch_bounds__(BLOCK)
-exchange(const Peers peers, int rank, int n_workers, Flags *mine, float *own,
-         const Segments weights, float rate, long long slot_floats, volatile unsigned *done) {
-    // mine, own: peers.flags[rank] and peers.send[rank], passed apart (see pick)
-    const int b = blockIdx.x, me = threadIdx.x;  // threads me < N: one each for worker me
-    const long long chunks = weights.chunks_end[weights.count - 1],
-                    first = b * (long long)BLOCK + me, stride = (long long)GRID * BLOCK;
-    const int t = mine->step[b] + 1;                              // begin: every thread loads
-    const long long slot = (t & 1) * slot_floats;                 // t and its first chunk at
-    float *published = own + slot;                                // once (t is needed only to
-    int s = 0;                                                    // store the chunk)
-    for (long long q = first; q < chunks; q += stride) {          // publish
-        const Chunk c = chunk(weights, s, q);
-        store(published + c.flat, published_chunk(c, rate), c.count);
-    }
-    __syncthreads();                                              // every thread has read t
-    if (me == 0) mine->step[b] = t;
-    if (me < n_workers) {                                         // signal: "published t",
-        store_release(&pick(peers.flags, me)->published[b][rank], t); // a 4-byte NVLink store
-        wait_for(&mine->published[b][me], t);                     // and worker me's to us
-    }
-    __syncthreads();
-    s = 0;
-    for (long long q = first; q < chunks; q += stride) {          // reduce, in rank order
-        const Chunk c = chunk(weights, s, q);
-        float4 sum = load(peers.send[0] + slot + c.flat, c.count);
-#pragma unroll
-        for (int w = 1; w < MAX_WORKERS; ++w)                     // N - 1 loads in flight at once
-            if (w < n_workers) sum = sum + load(peers.send[w] + slot + c.flat, c.count);
-        store(c.weights, sum / (float)n_workers, c.count);
-    }
-    __syncthreads();                                              // end: the block's reads are
-    if (me == 0) done[b] = t;                                     // done; host memory, PCIe
-}
-"""
 
 
-def kernel_source():
-    """``KERNELS`` with this module's sizes filled in: what nvcc compiles."""
-    return KERNELS % dict(max_workers=MAX_WORKERS, max_segments=MAX_SEGMENTS, grid=GRID,
-                          block=BLOCK)
+KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_exchange.cu")
+
+
+def kernel_options():
+    """The sizes ``KERNELS`` is compiled with, as nvcc's -D options."""
+    return [f"-D{name}={value}" for name, value in dict(
+        MAX_WORKERS=MAX_WORKERS, MAX_SEGMENTS=MAX_SEGMENTS, GRID=GRID, BLOCK=BLOCK).items()]
 
 
 class StreamExchange:
@@ -330,15 +170,16 @@ class StreamExchange:
         from cuda.bindings import driver as cu
         from pycuda.compiler import compile as compile_cuda
 
-        from devices import nvcc
+        from multi_gpu.devices import nvcc
 
         if n_workers > MAX_WORKERS:
             raise ValueError(f"the GPU-ordered exchange joins at most {MAX_WORKERS} workers")
         self.cu, self.drv, self.layout = cu, drv, layout
         self.rank, self.n_workers, self.rate = rank, n_workers, rate
         major, minor = drv.Device(0).compute_capability()
-        cubin = compile_cuda(kernel_source(), nvcc=nvcc(), arch=f"sm_{major}{minor}",
-                             no_extern_c=True)
+        with open(KERNELS) as f:
+            cubin = compile_cuda(f.read(), nvcc=nvcc(), options=kernel_options(),
+                                 arch=f"sm_{major}{minor}", no_extern_c=True)
         self._image = np.frombuffer(cubin, np.uint8)  # must outlive the module
         self._module = checked(cu.cuModuleLoadData(self._image.ctypes.data))
         self._kernel = checked(cu.cuModuleGetFunction(self._module, b"exchange"))

@@ -1,34 +1,38 @@
 """What the three scripts share at the command line: argument checks that
 fail in one line, quiet signals and pipes, a heartbeat for long compiles.
 
-Imported first by ``dual_mlp.py``, ``mlp.py`` and ``logistic_sgd.py``: from
-then on Ctrl-C or SIGTERM during start-up (importing PyTensor, JAX, Numba
-takes seconds) ends the script quietly instead of with a traceback, and a
-closed stdout pipe (``python mlp.py | head -3``) ends it as ``head`` expects.
-A script replaces the start-up signal handler once it can stop cleanly.
+Importing this module changes nothing: a script's ``main`` calls
+``quiet_start_up()`` first, so that from then on Ctrl-C or SIGTERM ends it
+quietly instead of with a traceback, and a closed stdout pipe (``python
+mlp.py | head -3``) ends it as ``head`` expects; it replaces that handler
+once it can stop cleanly.  (Before ``main``, while PyTensor loads, each
+script gives SIGINT back its system default, which ends a process without
+a word.)
 """
+from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import argparse
+import contextlib
+import math
 import os
 import signal
 import sys
+import tempfile
+import threading
+import time
 
 
-def _quit_during_start_up(signum, frame):
+def quit_quietly(signum, frame):
+    """A signal during start-up: one word, no traceback."""
     if "--worker" not in sys.argv:  # the launcher speaks for its workers
         os.write(2, b"interrupted\n")
     os._exit(128 + signum)
 
 
-# before anything slower is imported: the sooner, the smaller the window
-signal.signal(signal.SIGINT, _quit_during_start_up)
-signal.signal(signal.SIGTERM, _quit_during_start_up)
-signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a closed pipe ends us, as it ends cat
-
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import math  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
+def quiet_start_up():
+    """From now on SIGINT and SIGTERM end the script quietly, and a closed
+    pipe ends it as it ends ``cat``."""
+    install_stop_handler(quit_quietly)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
 class Parser(argparse.ArgumentParser):

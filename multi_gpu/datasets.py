@@ -15,16 +15,17 @@ Sources:
   three siblings, gzipped or not): MNIST or Fashion-MNIST.  Validation is the last 10,000
   training images, as in ``mnist.pkl.gz``;
 * ``data/mnist_5k.pkl.gz``, shipped with the demo: 5,000 real MNIST digits
-  (3,000 / 1,000 / 1,000), made by ``python datasets.py make-shipped``.
+  (3,000 / 1,000 / 1,000), made by ``python -m multi_gpu.datasets make-shipped``.
 
 Anything wrong with a file raises ``DatasetError`` with a one-line message.
 A data file is data: the pickle reader builds NumPy arrays and tuples and
 nothing else (any other object a file asks for is refused, so a crafted
 file runs no code), and only regular files are opened (a FIFO would block).
 
-Run ``python datasets.py download`` to fetch the full MNIST (checksums
+Run ``python -m multi_gpu.datasets download`` to fetch the full MNIST (checksums
 verified) into ``./mnist.pkl.gz``, which the demo then uses by default.
 """
+from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import argparse
 import contextlib
 import gzip
@@ -41,8 +42,8 @@ import zlib
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SHIPPED = os.path.join(HERE, "data", "mnist_5k.pkl.gz")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+SHIPPED = os.path.join(ROOT, "data", "mnist_5k.pkl.gz")
 CLASSIC = "mnist.pkl.gz"
 N_CLASSES = 10
 N_PIXELS = 28 * 28
@@ -74,7 +75,7 @@ def resolve(path=None):
     if os.path.exists(CLASSIC):
         return CLASSIC, None
     return SHIPPED, (f"no --dataset given and no ./{CLASSIC}: using the 5,000 shipped "
-                     "MNIST digits (python datasets.py download fetches the full set)")
+                     "MNIST digits (python -m multi_gpu.datasets download fetches the full set)")
 
 
 def read(path):
@@ -315,7 +316,8 @@ def make_shipped(out, seed=1234):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m multi_gpu.datasets",
+                                     description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     down = sub.add_parser("download", help="fetch the full MNIST into the classic format")
     down.add_argument("--out", default=CLASSIC, help="where to write (default: %(default)s)")

@@ -9,16 +9,14 @@ The pieces, each small enough to read in one go:
     the step number to all others and waits for theirs.  Every wait has a
     timeout.
 
-the transports (``--sync host``)
+the transports through host memory (``--sync host``)
     a worker *publishes* its weights into its own send buffer, whose address
     never moves, and every worker *fetches* everyone's from there into its
-    receive buffer (``transport`` picks one for the device):
+    receive buffer, as ``dual_mlp.CudaIpcTransport`` does between GPUs, peer
+    to peer (``host_transport`` picks one):
 
     * ``HostTransport`` (CPU): the send buffer is a file in the run's private
       directory that both workers map; its path is the handle.
-    * ``CudaIpcTransport`` (GPU): the send buffer is PyCUDA device memory; its
-      CUDA IPC handle goes to the others once, and every fetch is one
-      device-to-device copy from each other GPU (over NVLink where there is one).
     * ``StagedCudaTransport`` (GPUs that cannot reach each other's memory):
       device -> mapped host file -> device.
 
@@ -32,6 +30,7 @@ each parameter sits in it.  ``stream_exchange.py`` holds the GPU-ordered
 variant of the peer-to-peer exchange (``--sync gpu``); ``devices.py`` the
 devices the buffers live on.
 """
+from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import contextlib
 import os
 import pickle
@@ -43,7 +42,7 @@ import time
 import numpy as np
 import zmq
 
-from launcher import Interrupted, quit_now, stopped_workers
+from multi_gpu.worker import Interrupted, quit_now, stopped_workers
 
 
 class PeerError(Exception):
@@ -167,15 +166,14 @@ class Layout:
         return [self.views(flat[w * self.size:(w + 1) * self.size]) for w in range(n_workers)]
 
 
-def transport(device, rundir, rank, n_workers, layout, staged):
-    """The host-ordered transport for ``device``: host memory on the CPU; on
-    a GPU peer to peer, or ``staged`` through host memory (the launcher
-    chooses, by whether the GPUs can reach each other's memory)."""
-    if device.name == "cpu":
-        return HostTransport(rundir, rank, n_workers, layout, device)
+def host_transport(device, rundir, rank, n_workers, layout, staged):
+    """The host-ordered transports through host memory: the CPU's, and the
+    GPUs' ``staged`` fallback (the launcher chooses it where the GPUs cannot
+    reach each other's memory).  ``dual_mlp.CudaIpcTransport`` is the 2014
+    one, peer to peer."""
     if staged:
         return StagedCudaTransport(rundir, rank, n_workers, layout, device)
-    return CudaIpcTransport(rank, n_workers, layout, device)
+    return HostTransport(rundir, rank, n_workers, layout, device)
 
 
 class HostTransport:
@@ -213,53 +211,6 @@ class HostTransport:
 
     def close(self):
         self.sources = self.send = self.send_views = None  # unmaps
-
-
-class CudaIpcTransport:
-    """GPU to GPU.  The send buffer is allocated once by PyCUDA, so its
-    address never moves (JAX writes every step's weights to new buffers)
-    and one IPC handle serves the whole run.  The receive buffer is a JAX
-    array, so the compiled averaging function can read it directly."""
-
-    route = "CUDA IPC, peer to peer"
-
-    def __init__(self, rank, n_workers, layout, device):
-        self.rank, self.layout, self.device = rank, layout, device
-        drv = device.drv
-        self.send = drv.mem_alloc(layout.nbytes)
-        self.recv = device.put(np.zeros(n_workers * layout.size, layout.dtype))
-        self.sources, self.opened = [], []
-
-    def handle(self):
-        return self.device.drv.mem_get_ipc_handle(self.send)
-
-    def connect(self, handles):
-        # maps the others' buffers into our context; peer access is enabled lazily
-        self.opened = [self.device.drv.IPCMemoryHandle(h)
-                       for w, h in enumerate(handles) if w != self.rank]
-        others = iter(self.opened)
-        self.sources = [int(self.send) if w == self.rank else next(others)
-                        for w in range(len(handles))]
-
-    def publish(self, values):
-        drv, stream, itemsize = self.device.drv, self.device.stream, self.layout.dtype.itemsize
-        for offset, value in zip(self.layout.offsets, values):
-            drv.memcpy_dtod_async(int(self.send) + offset * itemsize, self.device.pointer(value),
-                                  value.nbytes, stream)
-        stream.synchronize()
-
-    def fetch(self):
-        base, nbytes = self.device.pointer(self.recv), self.layout.nbytes
-        for w, source in enumerate(self.sources):
-            self.device.drv.memcpy_dtod_async(base + w * nbytes, source, nbytes,
-                                              self.device.stream)
-        self.device.stream.synchronize()
-
-    def close(self):
-        for handle in self.opened:
-            handle.close()
-        self.send.free()
-        self.sources = self.opened = []
 
 
 class StagedCudaTransport(HostTransport):

@@ -1,7 +1,9 @@
 """Honour ``THEANO_FLAGS`` by mapping it onto PyTensor's ``PYTENSOR_FLAGS``.
 
-PyTensor reads its flags once, when it is first imported, so every script
-imports this module before ``pytensor``.  The seed was run as::
+PyTensor reads its flags once, when it is first imported, so every module
+of the package that uses PyTensor imports this one first, and so does each
+script: whichever is imported first, the flags reach PyTensor.  The seed
+was run as::
 
     THEANO_FLAGS=mode=FAST_RUN,floatX=float32 python dual_mlp.py 0 1
 

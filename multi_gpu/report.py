@@ -1,0 +1,75 @@
+"""Worker 0's words: the compile heartbeat's text, a run that diverged, the
+closing lines and the ``--json`` summary of ``dual_mlp.py``."""
+from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import json
+import platform
+import sys
+
+import numpy as np
+import pytensor
+
+from multi_gpu import cli, devices, records
+
+
+class Diverged(Exception):
+    """The weights are no longer numbers: one line, which says why that happens."""
+
+
+def check_finite(weights, epoch, learning_rate):
+    """Stop a run whose weights became NaN or infinite, before they are validated or saved."""
+    if not all(np.isfinite(w).all() for w in weights):
+        raise Diverged(f"after epoch {epoch} the weights are no longer finite (NaN or inf): "
+                       f"the training diverged; is --learning-rate {learning_rate:g} too large? "
+                       "The last checkpoint, if any, is the last good one")
+
+
+def compiling(device):
+    """What the heartbeat says while the model compiles."""
+    backend = cli.backend_name(device.mode)
+    if backend == "JAX":
+        return (f"compiling the model on {device.name}: PyTensor builds the graph, XLA compiles "
+                f"it (the first run takes a minute or so; later runs load XLA's programs from "
+                f"{devices.jax_cache_folder()})")
+    return (f"compiling the model with PyTensor's {backend} backend on {device.name} (the "
+            "first run takes a minute or so; later runs use the cache)")
+
+
+def summarise(args, progress, trainer, n_steps, world, wall, device, say):
+    """Worker 0's closing lines, and the --json summary."""
+    samples_per_s = world * progress.steps * args.batch_size / progress.train_s
+    step_us = dict(trainer.step_us(progress.steps), step=1e6 * progress.train_s / progress.steps)
+    say(f"Optimization complete. Best validation error {progress.best_validation_error * 100.:.2f}"
+        f" %, test error of that model {progress.test_error * 100.:.2f} % (a separate sample of "
+        "images: it can come out lower than validation)")
+    say(f"Trained at {samples_per_s:,.0f} samples/s ({world} workers), {step_us['step']:.0f} us "
+        "per step" + ("" if "train" not in step_us else
+                      ": train {train:.0f} us, exchange {exchange:.0f} us (publish {publish:.0f} "
+                      "+ signals {signal:.0f} + waiting for the peer {waiting:.0f} + copy "
+                      "{copy:.0f}), average {average:.0f} us".format(**step_us)))
+    if args.check:
+        say(f"max difference between the replicas after an exchange: {trainer.max_diff:g}")
+    if not args.json:
+        return
+    summary = dict(
+        config={k: v for k, v in vars(args).items() if k != "worker"},
+        **records.run_header(args.command), devices=args.devices, workers=world,
+        nodes=args.nodes, exchange=args.exchange, sync=args.sync, route=trainer.route,
+        device_name=device.description,
+        backend=type(pytensor.compile.mode.get_mode(device.mode).linker).__name__,
+        floatX=pytensor.config.floatX,
+        versions=dict(python=platform.python_version(), numpy=np.__version__,
+                      pytensor=pytensor.__version__),
+        **progress.summary(n_steps), wall_time_s=wall, samples_per_s=samples_per_s,
+        step_us=step_us, curve=progress.curve)
+    if "exchange" in step_us:
+        summary["exchange_us_per_step"] = step_us["exchange"]
+    if args.check:
+        summary["max_replica_diff"] = trainer.max_diff
+    summary.update(trainer.report())
+    try:
+        records.write_json(args.json, summary)
+    except OSError as e:  # a full disk, say: the run's result must not be lost
+        print(f"worker 0: error: could not write {args.json} ({e.strerror}); the summary "
+              "follows on stdout", file=sys.stderr)
+        print(json.dumps(summary, indent=2))
+        raise SystemExit(1)

@@ -1,0 +1,220 @@
+"""What every trainer of ``dual_mlp.py`` shares, whichever orders the exchange.
+
+``Trainer``
+    one worker's replica and its interface: ``start()`` (the handshake, and
+    the check that every replica starts from the same weights), ``epoch(n)``,
+    ``to_model()``, ``weights()``, ``finish()``, ``close()``; ``--check``.
+``DeviceOrdered``
+    the loop of the trainers whose step, training and exchange, is one
+    compiled program (``--sync gpu``, ``--exchange xla``): the host queues
+    calls of K steps and runs ahead of the device.
+``StepClock``
+    times the host-ordered step's phases, wrapped once around each.
+``steps_per_epoch``, ``minibatch``
+    how worker k of N takes the minibatches k, k + N, k + 2N, ...
+"""
+from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import collections
+import functools
+import operator
+import time
+
+import numpy as np
+
+from multi_gpu.devices import place
+from multi_gpu.links import PeerError
+from multi_gpu.worker import Interrupted, Unwatched, fault_point, stop_point, stopping
+
+UNROLL = 5  # steps unrolled in a compiled call's loop: XLA runs a loop's body step by step
+AHEAD = 8   # calls the host may queue ahead of the device
+
+
+def steps_per_epoch(n_batches, world):
+    """Steps each of ``world`` workers takes in an epoch of ``n_batches``
+    minibatches: together they take one minibatch each a step."""
+    return n_batches // world
+
+
+def minibatch(step, rank, world, n_steps):
+    """The minibatch worker ``rank`` trains on at ``step`` (any count of
+    steps: epochs repeat): rank, rank + world, ...  Plain or traced
+    integers alike."""
+    return world * (step % n_steps) + rank
+
+
+def mean_in_rank_order(terms):
+    """(worker 0's + worker 1's + ...) / N, the same sum in the same order on
+    every worker, so that every replica gets the same bits; symbolic
+    (PyTensor) or NumPy alike."""
+    return functools.reduce(operator.add, terms) / len(terms)
+
+
+class Trainer:
+    """One worker's replica, and how it trains beside the others.
+
+    ``start()`` meets the other workers once (the handshake) and checks that
+    every replica starts from the same weights; ``epoch(n)`` runs n steps,
+    after each of which every replica holds the average; ``to_model()``
+    leaves the replica's weights in the model's shared variables (worker 0
+    validates them); ``weights()`` hands them back as NumPy arrays;
+    ``finish()`` waits until the last step is done everywhere."""
+
+    route = ""  # how the weights travel, in words
+
+    def __init__(self, rank, world, model, link, check):
+        """``link`` reaches the other workers, for the handshake and for
+        ``gather``, which the exchange itself never uses."""
+        self.rank, self.world, self.model, self.link, self.check = rank, world, model, link, check
+        self.n_steps = steps_per_epoch(model.n_train_batches, world)
+        self.max_diff = 0.0
+
+    def start(self):
+        self.handshake()
+        start = np.array([sum(p.sum(dtype=np.float64) for p in self.model.get_params())])
+        if len(set(self.link.gather(start).ravel())) > 1:
+            raise PeerError("the replicas start from different weights")
+
+    def handshake(self):
+        """Swap what the exchange needs to know of the others, once."""
+
+    def check_replicas(self):
+        """``--check``: the largest difference between this replica's weights
+        and any other's, compared on the host."""
+        if self.check:
+            mine = np.concatenate([w.ravel() for w in self.weights()])
+            self.max_diff = max(self.max_diff,
+                                float(np.max(np.abs(self.link.gather(mine) - mine))))
+
+    def to_model(self):
+        pass  # the model's shared variables are the replica's weights
+
+    def finish(self):
+        pass
+
+    def close(self):
+        pass
+
+    def step_us(self, steps):
+        """Microseconds of a step by phase, where the host can time them."""
+        return {}
+
+    def report(self):
+        """More entries for the summary."""
+        return {}
+
+
+class StepClock:
+    """Sums each phase's time under its name.  A signal's time is split in
+    two: the signal itself, and waiting for a peer that arrived later (which
+    a faster worker does whatever the exchange costs)."""
+
+    def __init__(self):
+        self.totals = collections.defaultdict(float)
+
+    def timed(self, name, phase, waits=False):
+        """``phase``, its every call timed under ``name``; with ``waits``, it
+        returns the seconds of its time spent waiting for a later peer."""
+        def timed_phase(*args):
+            start = time.perf_counter()
+            result = phase(*args)
+            waited = result if waits else 0.0
+            self.totals[name] += time.perf_counter() - start - waited
+            self.totals["waiting"] += waited
+            return result
+        return timed_phase
+
+    def step_us(self, steps):
+        """Microseconds a step by phase; ``exchange`` sums the phases that move weights."""
+        us = {k: 1e6 * v / steps for k, v in self.totals.items()}
+        us["exchange"] = sum(us.get(k, 0.0) for k in ("publish", "signal", "waiting", "copy"))
+        return us
+
+
+class DeviceOrdered(Trainer):
+    """``--sync gpu`` and ``--exchange xla``: a step, training and exchange,
+    is one compiled program, and ``steps_per_call`` steps are one call of
+    it (a loop in the program).  The host only queues calls: it runs up to
+    ``AHEAD`` calls ahead of the device and never waits within a step, so
+    the host clock times whole steps only.
+
+    A subclass compiles ``program(steps)``, the program of so many steps
+    over its ``state``; says how to ``queue`` a call of it (returning a
+    marker), whether the device is ``done`` with the call of a marker, and
+    where the replica's ``device_weights`` are."""
+
+    def __init__(self, rank, world, model, link, check, watchdog, steps_per_call):
+        super().__init__(rank, world, model, link, check)
+        self.queued, self.watchdog = collections.deque(), watchdog or Unwatched()
+        self.steps_per_call, self.programs, self.exchange_steps = steps_per_call, {}, None
+        self.host_time, self.calls, self.steps = 0.0, 0, 0  # the host's share: inside the calls
+
+    def compile(self):
+        """The programs an epoch calls: ``steps_per_call`` steps, and what is
+        left at the epoch's end.  Compiled, not run."""
+        for steps in {self.steps_per_call, self.n_steps % self.steps_per_call} - {0}:
+            self.programs[steps] = self.program(steps)
+
+    def program(self, steps):
+        raise NotImplementedError
+
+    def queue(self, steps):
+        raise NotImplementedError
+
+    def done(self, marker):
+        raise NotImplementedError
+
+    def device_weights(self):
+        raise NotImplementedError
+
+    def epoch(self, n_steps):
+        with self.watchdog:
+            for first in range(0, n_steps, self.steps_per_call):
+                steps = min(self.steps_per_call, n_steps - first)
+                stop_point(self.rank, "train")
+                called = time.perf_counter()
+                self.queued.append(self.queue(steps))
+                self.host_time += time.perf_counter() - called
+                self.calls, self.steps = self.calls + 1, self.steps + steps
+                fault_point(self.rank, "exchange")
+                if len(self.queued) > AHEAD:
+                    self.wait(self.queued.popleft())
+                self.watchdog.alive()
+                self.check_replicas()
+            while self.queued:  # the epoch ends when the device is done with it
+                self.wait(self.queued.popleft())
+                self.watchdog.alive()
+
+    def wait(self, marker):
+        """Wait for the device to finish a step, and for a stop request meanwhile."""
+        while not self.done(marker):
+            if stopping.is_set():
+                raise Interrupted
+            time.sleep(0.0002)
+
+    def weights(self):
+        return [np.array(w) for w in self.device_weights()]
+
+    def to_model(self):
+        for p, value in zip(self.model.params, self.device_weights()):
+            place(p, value)
+
+    def report(self):
+        """What bounds the speed: a step that costs the host as long as the
+        step takes is host-bound, one that costs it less waits for the GPU;
+        and how many steps the device counted (``exchange_steps``: the
+        exchange ran once a step where it equals the steps run)."""
+        return dict(host_us_per_call=1e6 * self.host_time / max(1, self.calls),
+                    host_us_per_step=1e6 * self.host_time / max(1, self.steps),
+                    steps_per_call=self.steps_per_call, exchange_steps=self.exchange_steps)
+
+
+def repeat(step, steps):
+    """``steps`` calls of ``step(data, *state) -> state`` as one loop, in the
+    same order as one call each: ``UNROLL`` of them at a time in the loop's
+    body, which XLA otherwise runs a step at a time."""
+    import jax
+
+    def loop(data, *state):
+        return jax.lax.fori_loop(0, steps, lambda _, state: step(data, *state), state,
+                                 unroll=min(steps, UNROLL))
+    return loop

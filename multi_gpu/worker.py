@@ -1,0 +1,308 @@
+"""The worker's side of dual_mlp.py: stop signals, orphans, the watchdog.
+
+``run_worker`` reads the request the launcher leaves in the run folder,
+asks Linux to end the worker with its launcher, and turns every way a
+worker can end into an exit code and at most one line.  A signal only sets
+``stopping``; the worker stops where it may (``stop_point``), and the
+``Watchdog`` ends it where it cannot notice (inside a call into XLA, behind
+a GPU that waits on a peer that is gone).  ``fault_point`` is the fault
+tests' hook, which the launcher shares.
+"""
+from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import contextlib
+import ctypes
+import json
+import os
+import select
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+import types
+
+import numpy as np
+
+from multi_gpu import cli
+
+
+class Interrupted(Exception):
+    """This worker was asked to stop (SIGINT or SIGTERM) while it waited."""
+
+
+class StopRequest:
+    """Set by SIGINT (Ctrl-C) or SIGTERM (the launcher stopping us, or Linux
+    when the launcher dies).  A worker stops at the next step or while it
+    waits for its peer, never inside a compiled call or a checkpoint write.
+    A plain attribute, not a threading.Event: a signal handler must take no
+    lock, or a second signal arriving inside it deadlocks the process."""
+
+    signum = 0
+
+    def is_set(self):
+        return self.signum != 0
+
+
+stopping = StopRequest()
+
+
+def request_stop(signum, frame):
+    stopping.signum = signum
+
+
+def stop_point(rank, where):
+    """Where a step may stop: on request, or by the fault tests' hook."""
+    if stopping.is_set():
+        raise Interrupted
+    fault_point(rank, where)
+
+
+FAULT = os.environ.get("DUAL_MLP_FAULT", "").split(":")  # read once: it is on every step's path
+
+
+def fault_point(rank, where):
+    """The fault tests' hook: DUAL_MLP_FAULT=RANK:WHERE:HOW makes worker RANK
+    fail on reaching WHERE (start, train, exchange) by HOW (raise, oom, kill,
+    or hint: an error whose message ends in a hint line, as PyTensor's do)."""
+    if FAULT[:2] != [str(rank), where]:
+        return
+    if FAULT[2] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if FAULT[2] == "oom":
+        np.empty(1 << 60, np.uint8)  # raises MemoryError, as a real allocation failure would
+    hint = "\nHINT: re-run with more detail" if FAULT[2] == "hint" else ""
+    raise RuntimeError(f"fault injected at {where}{hint}")
+
+
+def hooked(rank, where, phase, stops=False):
+    """``phase`` as a step calls it: with ``stops``, it first stops on request
+    (``stop_point``); where DUAL_MLP_FAULT names this worker and place, it
+    first fails there (``fault_point``).  Otherwise ``phase`` itself, untouched."""
+    faulty = FAULT[:2] == [str(rank), where]
+    if not (stops or faulty):
+        return phase
+
+    def hooked_phase(*args):
+        if stops and stopping.is_set():
+            raise Interrupted
+        if faulty:
+            fault_point(rank, where)
+        return phase(*args)
+    return hooked_phase
+
+
+class Watchdog:
+    """A thread that ends this worker where its main thread cannot notice:
+    when the launcher is gone (an orphan exits at once), when a stop request
+    goes unheeded for a second, and, while armed (in an epoch), when no step
+    finishes for ``timeout`` seconds.  Where the devices order the steps, a
+    GPU waiting for ever on a peer that stalled or died can hold the main
+    thread inside a call into XLA: no check of ours runs there, and Python
+    runs a signal handler only once that call returns, so the signals reach
+    this thread through a wake-up file descriptor.  Every 0.1 s it also
+    stamps this worker's heartbeat file in the run folder, so that a stall
+    names the worker that stopped running (one machine)."""
+
+    def __init__(self, rank, world, rundir, parent, timeout):
+        self.rank, self.world, self.rundir, self.parent = rank, world, rundir, parent
+        self.timeout, self.last, self.armed = timeout, time.monotonic(), False
+        self.wakeup, writer = os.pipe()
+        os.set_blocking(writer, False)
+        signal.set_wakeup_fd(writer)
+        # The heartbeat file is made once, here, and only touched after: made
+        # again while another worker removes the run folder, it would leave
+        # the folder there when the last worker goes without removing it
+        # (JAX's runtime ends the others once one has gone).
+        try:
+            open(heartbeat_path(rundir, rank), "w").close()
+        except OSError:
+            pass  # the folder is gone already: the watch below ends us
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def alive(self):
+        self.last = time.monotonic()
+
+    def __enter__(self):
+        self.alive()
+        self.armed = True
+
+    def __exit__(self, *exc):
+        self.armed = False
+
+    def _watch(self):
+        stop_seen = None
+        beat = heartbeat_path(self.rundir, self.rank)
+        while True:
+            if select.select([self.wakeup], [], [], 0.1)[0]:
+                signum = os.read(self.wakeup, 1)[0]
+                stopping.signum = stopping.signum or signum
+            now = time.monotonic()
+            try:
+                os.utime(beat)
+            except OSError:
+                pass  # removed with the run folder
+            if os.getppid() != self.parent:
+                quit_now(128 + signal.SIGTERM)  # the launcher is gone
+            if stopping.is_set():
+                stop_seen = stop_seen or now
+                if now - stop_seen > 1.0:
+                    quit_now(128 + stopping.signum)
+            elif self.armed and now - self.last > self.timeout:
+                late = stopped_workers(self.rundir, self.world, self.rank)
+                who = (f"worker {', '.join(map(str, late))} stopped running" if late
+                       else "another worker stalled")
+                print(f"worker {self.rank}: error: no step finished within {self.timeout:g} s: "
+                      f"{who} (see --timeout)", file=sys.stderr, flush=True)
+                quit_now(1)
+
+
+def heartbeat_path(rundir, rank):
+    return os.path.join(rundir, f"alive-{rank}")
+
+
+def stopped_workers(rundir, world, me):
+    """The other workers of this machine whose heartbeat (``Watchdog``) has
+    stopped, by rank: the ones a stall is about, where the worker that
+    noticed it may be waiting on one that only waits for them.  A worker
+    stopped within the last second does not show yet, so look for a second
+    more; none where no worker keeps a heartbeat (or on other machines)."""
+    for _ in range(12):
+        now, late = time.time(), []
+        for rank in range(world):
+            try:
+                if rank != me and now - os.path.getmtime(heartbeat_path(rundir, rank)) > 1.0:
+                    late.append(rank)
+            except OSError:
+                pass  # on another machine
+        if late:
+            return late
+        time.sleep(0.1)
+    return []
+
+
+class Unwatched:
+    """A trainer's watchdog outside a launcher (tests, benchmarks): none."""
+
+    def alive(self):
+        pass
+
+    def __enter__(self):
+        pass
+
+    def __exit__(self, *exc):
+        pass
+
+
+def die_with_parent():
+    """Ask Linux to SIGTERM this worker if the launcher dies, even by SIGKILL."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+RUN_FOLDER = None  # this worker's run folder, and its launcher's pid
+LAUNCHER = None
+
+
+def quit_now(code):
+    """Exit without Python's clean-up: a GPU may wait for ever on a peer that
+    is gone, and freeing its memory, or JAX's own exit, would wait with it.
+    Told to stop, or orphaned, it removes the run folder first: the launcher
+    may be gone, and the others, stopping too, have their files open.  Else
+    the launcher is there to stop the others and remove it (the others may
+    still be opening their sockets in it)."""
+    if RUN_FOLDER and (stopping.is_set() or os.getppid() != LAUNCHER):
+        shutil.rmtree(RUN_FOLDER, ignore_errors=True)
+    release_stdout()
+    with contextlib.suppress(OSError):  # the launcher's end is closed
+        sys.stderr.flush()
+    os._exit(code)
+
+
+FORWARD = None  # worker 0's thread that passes its standard output on
+
+
+def keep_stdout_clean(rank, rundir):
+    """One process speaks: worker 0's standard output reaches the terminal
+    without the lines gloo's C++ writes there on every rank, and every
+    other worker's goes to a file in the run folder."""
+    global FORWARD
+    if rank != 0:
+        os.dup2(os.open(os.path.join(rundir, f"worker-{rank}.out"), os.O_WRONLY | os.O_CREAT,
+                        0o600), 1)
+        return
+    terminal = os.dup(1)
+    reader, writer = os.pipe()
+    os.dup2(writer, 1)
+    os.close(writer)
+
+    def forward():
+        for line in os.fdopen(reader, "rb"):
+            if not line.startswith(b"[Gloo]"):
+                try:
+                    os.write(terminal, line)
+                except BrokenPipeError:  # python dual_mlp.py | head: end as head expects
+                    os._exit(128 + signal.SIGPIPE)
+    FORWARD = threading.Thread(target=forward, daemon=True)
+    FORWARD.start()
+
+
+def release_stdout():
+    """Everything worker 0 wrote is on the terminal before it exits."""
+    sys.stdout.flush()
+    if FORWARD:
+        os.close(1)  # the pipe's last writer: the thread reads to its end
+        FORWARD.join(timeout=2)
+
+
+def the_request(rundir):
+    """What the launcher asks (its ``config.json``), once it has left it in
+    the run folder; None if the launcher is gone, or asks us to stop, first."""
+    while not stopping.is_set() and os.getppid() == LAUNCHER:
+        try:
+            with open(os.path.join(rundir, "config.json")) as f:
+                return types.SimpleNamespace(**json.load(f))
+        except FileNotFoundError:  # not yet: it starts every worker before it writes it
+            time.sleep(0.005)
+    return None
+
+
+def run_worker(work, index, rundir, launcher_pid, one_line_errors):
+    """Worker ``index`` of the launcher ``launcher_pid``: ``work(args, rank,
+    world, device, rundir, watchdog)`` with the request the launcher leaves
+    in ``rundir``.  An error of ``one_line_errors`` is said in one line, any
+    other with its traceback."""
+    global RUN_FOLDER, LAUNCHER
+    RUN_FOLDER, LAUNCHER = rundir, launcher_pid
+    # Our error output is a pipe to the launcher: once it is gone, a write
+    # there (JAX's runtime logs as its peers go) must not end us by SIGPIPE
+    # before we have removed the run folder.
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    cli.install_stop_handler(request_stop)  # first: Linux's SIGTERM must find us able to clean
+    die_with_parent()
+    args = the_request(rundir)
+    if args is None:  # the launcher went (or stopped us) before its request came
+        return quit_now(128 + signal.SIGTERM)
+    rank, world = args.node_rank * len(args.devices) + index, args.nodes * len(args.devices)
+    keep_stdout_clean(rank, rundir)
+    watchdog = Watchdog(rank, world, rundir, LAUNCHER, args.timeout)
+    code = 0
+    try:
+        work(args, rank, world, args.devices[index], rundir, watchdog)
+    except SystemExit as e:  # it said its last word itself (a summary it could not write)
+        code = e.code or 0
+    except Exception as e:
+        if stopping.is_set():  # asked to stop: what broke on the way out is no news
+            code = 128 + stopping.signum
+        elif isinstance(e, one_line_errors):
+            print(f"worker {rank}: error: {e}", file=sys.stderr)
+            code = 1
+        else:
+            traceback.print_exc()
+            code = 1
+    if code or os.getppid() != LAUNCHER:
+        quit_now(code)
+    release_stdout()
+    return 0

@@ -1,0 +1,78 @@
+"""The shape of the repository: three scripts on top of one package, whose
+modules import one another without cycles, and THEANO_FLAGS honoured
+whichever module a process imports first."""
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+SCRIPTS = ("dual_mlp", "mlp", "logistic_sgd")
+PACKAGE = sorted(p[:-3] for p in os.listdir(ROOT / "multi_gpu")
+                 if p.endswith(".py") and p != "__init__.py")
+
+
+def imported(path):
+    """The modules a file imports (``from multi_gpu import a, b`` counts a and b),
+    top level and inside functions alike."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            if node.module == "multi_gpu":
+                names |= {f"multi_gpu.{a.name}" for a in node.names}
+    return names
+
+
+def test_the_package_never_imports_a_script_and_its_imports_have_no_cycle():
+    assert imported(ROOT / "multi_gpu" / "__init__.py") == set()
+    graph = {}
+    for name in PACKAGE:
+        uses = imported(ROOT / "multi_gpu" / f"{name}.py")
+        assert not uses & set(SCRIPTS), (name, uses & set(SCRIPTS))
+        graph[name] = {u.split(".")[1] for u in uses
+                       if u.startswith("multi_gpu.") and u.split(".")[1] != name}
+    done, path = set(), []
+
+    def visit(module):  # depth first: a module met again on the current path closes a cycle
+        assert module not in path, " -> ".join(path + [module])
+        if module in done:
+            return
+        path.append(module)
+        for other in graph[module]:
+            visit(other)
+        path.pop()
+        done.add(module)
+    for module in graph:
+        visit(module)
+
+
+def test_the_tutorial_scripts_take_one_line_from_the_package():
+    for script in ("mlp.py", "logistic_sgd.py"):
+        tree = ast.parse((ROOT / script).read_text())
+        lines = [node for node in ast.walk(tree)
+                 if isinstance(node, (ast.Import, ast.ImportFrom))
+                 and "multi_gpu" in ((node.module or "") if isinstance(node, ast.ImportFrom)
+                                     else node.names[0].name)]
+        assert len(lines) == 1, (script, [ast.unparse(n) for n in lines])
+        others = {m.split(".")[0] for m in imported(ROOT / script)} - {"multi_gpu"}
+        assert others <= {"numpy", "pytensor", "functools", "shlex", "signal", "sys", "time",
+                          "logistic_sgd", "mlp"}, (script, others)
+
+
+@pytest.mark.parametrize("module", [f"multi_gpu.{m}" for m in PACKAGE] + list(SCRIPTS))
+def test_theano_flags_reach_pytensor_whichever_module_is_imported_first(module):
+    """A fresh process imports ``module`` first, then PyTensor: Theano's mode
+    name and floatX have become PyTensor's."""
+    env = dict(os.environ, THEANO_FLAGS="mode=DEBUG_MODE,floatX=float64")
+    env.pop("PYTENSOR_FLAGS", None)
+    out = subprocess.run([sys.executable, "-c", f"import {module}, pytensor; "
+                          "print(pytensor.config.mode, pytensor.config.floatX)"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["DebugMode", "float64"], (out.stdout, out.stderr)
