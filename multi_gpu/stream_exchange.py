@@ -11,10 +11,10 @@ themselves: within a step the host waits for nothing.
 Each of the N workers allocates with PyCUDA, once, and shares by CUDA IPC,
 once:
 
-* ``send``: two slots of the flat weights (``exchange.Layout``), used by step
+* ``send``: two slots of the flat weights (``links.Layout``), used by step
   parity, so that a worker can publish step t+1 while the others still read
   step t;
-* ``flags``: its ``struct Flags`` (in ``KERNELS``), counters that the OTHER
+* ``flags``: its ``struct Flags`` (in ``stream_exchange.cu``), counters that the OTHER
   workers write into this GPU's memory, over NVLink, to say how far they are.
 
 The kernel, ``exchange``, is the one-shot all-reduce of vLLM's

@@ -15,6 +15,7 @@ Imported before PyTensor, it maps ``THEANO_FLAGS`` onto PyTensor's flags
   ``write_json``.
 """
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags
+import importlib.metadata
 import os
 import sys
 
@@ -25,21 +26,38 @@ from multi_gpu.datasets import N_CLASSES, N_PIXELS, DatasetError, read, resolve 
 from multi_gpu.records import epoch_record, run_header, save_checkpoint, write_json  # noqa: F401
 
 parser = cli.tutorial_parser
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"  # one folder per GPU the NVIDIA driver sees
 
 
 def device_from_flags():
     """THEANO_FLAGS=device=cudaN: this process on GPU N, through PyTensor's JAX
-    backend, as Theano's flag put it there (None: the CPU)."""
+    backend, as Theano's flag put it there (None: the CPU).  Where GPU N
+    cannot be used, a ``DatasetError`` says why in one line: no CUDA in this
+    JAX, no NVIDIA GPU, or no GPU of that number."""
     if not flags.DEVICE:
         return None
-    os.environ.update(CUDA_VISIBLE_DEVICES=flags.DEVICE[4:], JAX_PLATFORMS="cuda",
+    index, asked = int(flags.DEVICE[4:]), f"THEANO_FLAGS device={flags.DEVICE}"
+    cpu = "or leave device= out to run on the CPU"
+    if not any((d.metadata["Name"] or "").lower().startswith("jax-cuda")
+               for d in importlib.metadata.distributions()):
+        raise DatasetError(f"{asked}: this JAX has no CUDA support (pip install -r "
+                           f"requirements-gpu.txt on a machine with an NVIDIA GPU), {cpu}")
+    gpus = len(os.listdir(NVIDIA_GPUS)) if os.path.isdir(NVIDIA_GPUS) else None
+    none_here = gpus == 0 or gpus is None and not os.path.exists("/dev/nvidiactl")
+    if none_here:
+        raise DatasetError(f"{asked}: no NVIDIA GPU here (no driver lists one), {cpu}")
+    if gpus is not None and index >= gpus:
+        raise DatasetError(f"{asked}: GPU {index} does not exist: this machine has {gpus} "
+                           f"(cuda0..cuda{gpus - 1})")
+    # this process sees its GPU only, as a dual_mlp.py worker does
+    os.environ.update(CUDA_VISIBLE_DEVICES=str(index), JAX_PLATFORMS="cuda",
                       XLA_PYTHON_CLIENT_PREALLOCATE="false")
     from multi_gpu.devices import JaxDevice
     try:
         return JaxDevice()
-    except Exception as e:  # no JAX with CUDA, no such GPU
-        raise DatasetError(f"THEANO_FLAGS device={flags.DEVICE}: no such GPU for JAX "
-                           f"({str(e).splitlines()[0]})") from None
+    except Exception as e:  # the driver or JAX's CUDA plugin would not start
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DatasetError(f"{asked}: JAX cannot start GPU {index} ({why})") from None
 
 
 def run(script, train, dataset, outputs=None):

@@ -209,3 +209,18 @@ def test_help_explains_every_option():
                    "--timeout", "--save", "--resume", "--check"):
         assert option in out.stdout
     assert "--worker" not in out.stdout
+
+
+def test_a_gpu_asked_by_theano_flags_where_jax_has_no_cuda_is_one_line():
+    """THEANO_FLAGS=device=cuda0 on a machine whose JAX has no CUDA (CI's, a
+    laptop's): one line that says why and what to do, exit 2."""
+    import importlib.metadata
+    if any((d.metadata["Name"] or "").lower().startswith("jax-cuda")
+           for d in importlib.metadata.distributions()):
+        pytest.skip("this JAX has CUDA: the GPU tests run device=cuda0")
+    out = script("mlp.py", "--epochs", 1, env={"THEANO_FLAGS": "device=cuda0"}, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "mlp.py: error: THEANO_FLAGS device=cuda0: this JAX has no CUDA support (pip install -r "
+        "requirements-gpu.txt on a machine with an NVIDIA GPU), or leave device= out to run on "
+        "the CPU"], out.stderr
