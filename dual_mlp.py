@@ -53,6 +53,7 @@ if __name__ == "__main__":  # a Ctrl-C while PyTensor loads ends the script, wit
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import argparse
+import functools
 import os
 import shlex
 import shutil
@@ -68,8 +69,8 @@ from logistic_sgd import load_data
 from multi_gpu import cli, datasets, devices, launcher, links, records, report
 from multi_gpu.devices import place, storage
 from multi_gpu.links import Layout, Peer, PeerError, XlaExchange
-from multi_gpu.trainer import (DeviceOrdered, StepClock, Trainer, mean_in_rank_order, minibatch,
-                               repeat)
+from multi_gpu.trainer import (DeviceOrdered, StepClock, Trainer, averages_after, local_sgd,
+                               mean_in_rank_order, minibatch)
 from multi_gpu.worker import hooked, run_worker, stop_point, stopping
 
 # -----------------------------------------------------------------------------
@@ -128,7 +129,8 @@ class CudaIpcTransport:
 
     def fetch(self):
         """Every worker's send buffer, mine too, into my receive buffer, in rank order."""
-        base, nbytes, stream = self.device.pointer(self.recv), self.layout.nbytes, self.device.stream
+        base, nbytes = self.device.pointer(self.recv), self.layout.nbytes
+        stream = self.device.stream
         for w, source in enumerate(self.sources):
             self.drv.memcpy_dtod_async(base + w * nbytes, source, nbytes, stream)  # peer to peer
         stream.synchronize()
@@ -154,8 +156,9 @@ class HostOrdered(Trainer):
     each phase and the workers meet at zmq barriers, so the host clock can
     time every phase (``StepClock``, wrapped once around each)."""
 
-    def __init__(self, rank, world, model, device, peer, rundir, avg, staged, check):
-        super().__init__(rank, world, model, peer, check)
+    def __init__(self, rank, world, model, device, peer, rundir, avg, staged, check,
+                 average_every=1):
+        super().__init__(rank, world, model, peer, check, average_every)
         self.device, self.peer, self.clock = device, peer, StepClock()
         layout = Layout.of(model.params)
         self.transport = transport(device, rundir, rank, world, layout, staged)
@@ -177,11 +180,14 @@ class HostOrdered(Trainer):
     def epoch(self, n_steps):
         for step in range(n_steps):
             new = self.train(minibatch(step, self.rank, self.world, self.n_steps))  # 1. my own
+            if not averages_after(step, n_steps, self.average_every):
+                continue        # local SGD (--average-every H): H steps of my own, then 2.-6.
             self.publish(new)   # 2. copy my new weights into my send buffer (memcpy_dtod_async)
             self.signal()       # 3. zmq: "published" to every other worker; wait for theirs
             self.copy()         # 4. every send buffer into my receive buffer, peer to peer
             self.signal()       # 5. zmq: "copied": the others may overwrite their send buffers
             self.average()      # 6. my weights = the mean of everyone's, in rank order
+            self.averages += 1
             self.check_replicas()
 
     def train_on(self, index):
@@ -229,6 +235,9 @@ class HostOrdered(Trainer):
     def step_us(self, steps):
         return self.clock.step_us(steps)
 
+    def report(self):
+        return dict(super().report(), exchange_s=self.clock.step_us(1)["exchange"] / 1e6)
+
     def close(self):
         self.transport.close()
 
@@ -244,14 +253,15 @@ class GpuOrdered(DeviceOrdered):
     route = "CUDA IPC, peer to peer, ordered by the GPUs"
 
     def __init__(self, rank, world, model, device, peer, check, watchdog, steps_per_call,
-                 exchange=None):
+                 average_every=1, exchange=None):
         import jax
         if exchange is None:
             from multi_gpu.stream_exchange import StreamExchange as exchange
 
-        super().__init__(rank, world, model, peer, check, watchdog, steps_per_call)
+        super().__init__(rank, world, model, peer, check, watchdog, steps_per_call, average_every)
         model.warm_up(put=device.put)
         gradients, self.data = devices.jax_train_step(model, gradients=True)
+        train, _ = devices.jax_train_step(model)  # the same model's data, in the same order
         self.exchange = exchange(rank, world, Layout.of(model.params), model.learning_rate)
 
         def step(data, counter, *params):
@@ -259,7 +269,11 @@ class GpuOrdered(DeviceOrdered):
             _, g = gradients(index, data, list(params))          # 1. train: the gradients
             return counter + 1, *self.exchange(params, g)        # 2.-6. update as it publishes
 
-        self.one_step = step
+        def own_step(data, counter, *params):  # local SGD: the tutorial's step, no exchange
+            _, new = train(minibatch(counter, rank, world, self.n_steps), data, list(params))
+            return counter + 1, *new
+
+        self.one_step, self.own_step = step, own_step
         # copies: the model's own weights stay for validation
         self.state = (device.put(np.int32(0)), *[jax.numpy.array(storage(p))
                                                   for p in model.params])
@@ -277,9 +291,10 @@ class GpuOrdered(DeviceOrdered):
         every step into the same buffers: the exchange's captured launch
         stays valid, and XLA replays its recorded steps as they are.  The host
         learns which steps are done from the exchange's counter in host
-        memory."""
+        memory.  With ``--average-every H`` the call's steps come in rounds
+        of H - 1 of the worker's own and one with the kernel."""
         import jax
-        program = jax.jit(repeat(self.one_step, steps),
+        program = jax.jit(local_sgd(self.own_step, self.one_step, steps, self.average_every),
                           donate_argnums=tuple(range(1, 1 + len(self.state))))
         with devices.not_kept(jax):
             program.lower(self.data, *self.state).compile()
@@ -290,7 +305,7 @@ class GpuOrdered(DeviceOrdered):
 
     def queue(self, steps):
         self.state = self.programs[steps](self.data, *self.state)
-        return self.steps + steps  # the call's last step, as the exchange counts them
+        return self.averages  # the call's last average, as the kernel counts them
 
     def done(self, marker):
         return self.exchange.steps_done() >= marker
@@ -312,17 +327,21 @@ class XlaOrdered(DeviceOrdered):
 
     route = "an XLA all-reduce (JAX's distributed runtime)"
 
-    def __init__(self, rank, world, model, device, xla, check, watchdog, steps_per_call):
-        super().__init__(rank, world, model, xla, check, watchdog, steps_per_call)
+    def __init__(self, rank, world, model, device, xla, check, watchdog, steps_per_call,
+                 average_every=1):
+        super().__init__(rank, world, model, xla, check, watchdog, steps_per_call, average_every)
         model.warm_up(put=device.put)
         train, data = devices.jax_train_step(model)
 
-        def step(data, counter, params, cost):
+        def step(data, counter, params, cost, average=True):
             index = minibatch(counter, xla.rank(), world, self.n_steps)  # this worker's minibatch
             cost, new = train(index, data, params)                       # 1. train
-            return counter + 1, [xla.mean(p) for p in new], cost[None]   # 2.-6. all-reduce
+            if average:                                                  # 2.-6. all-reduce
+                new = [xla.mean(p) for p in new]
+            return counter + 1, new, cost[None]
 
         self.one_step, self.xla = step, xla
+        self.own_step = functools.partial(step, average=False)  # local SGD: no all-reduce
         self.data = [xla.replicated(d) for d in data]
         self.state = (xla.replicated(device.put(np.int32(0))),
                       [xla.replicated(storage(p)) for p in model.params])
@@ -330,7 +349,7 @@ class XlaOrdered(DeviceOrdered):
 
     def program(self, steps):
         import jax.numpy as jnp
-        loop = repeat(self.one_step, steps)
+        loop = local_sgd(self.own_step, self.one_step, steps, self.average_every)
 
         def call(data, counter, params):  # the marker: each worker's cost of the last step
             return loop(data, counter, params, jnp.zeros(1, params[0].dtype))
@@ -354,14 +373,14 @@ def make_trainer(args, rank, world, model, device, rundir, xla, watchdog, cleanu
     """The trainer of the ordering asked for (see the module's text)."""
     if xla:
         return XlaOrdered(rank, world, model, device, xla, args.check, watchdog,
-                          args.steps_per_call)
+                          args.steps_per_call, args.average_every)
     peer = Peer(rundir, rank, world, args.timeout, stopping, device.spin)
     cleanup.callback(peer.close)
     if args.sync == "gpu":
         return GpuOrdered(rank, world, model, device, peer, args.check, watchdog,
-                          args.steps_per_call)
+                          args.steps_per_call, args.average_every)
     return HostOrdered(rank, world, model, device, peer, rundir, args.avg, args.staged,
-                       args.check)
+                       args.check, args.average_every)
 
 
 # -----------------------------------------------------------------------------
@@ -403,7 +422,8 @@ def worker(args, rank, world, dev, rundir, watchdog):
         n_steps = trainer.n_steps
         say(f"... training: {world} workers on {', '.join(args.devices)}"
             f"{f' x {args.nodes} nodes' if args.nodes > 1 else ''}, {args.batch_size} images per "
-            f"worker per step, {n_steps} steps per epoch; weights through {trainer.route}")
+            f"worker per step, {cli.counted(n_steps, 'step')} per epoch; weights through "
+            f"{trainer.route}")
         start_time = time.perf_counter()
         for epoch in range(progress.epoch + 1, args.epochs + 1):
             epoch_start = time.perf_counter()
@@ -416,8 +436,9 @@ def worker(args, rank, world, dev, rundir, watchdog):
             report.check_finite(model.get_params(), epoch, args.learning_rate)
             progress.validated(epoch, float(model.validate_model()), model.test_model,
                                model.get_params)
-            say(f"epoch {epoch}/{args.epochs}: {n_steps} steps per worker ({world * n_steps} "
-                f"minibatches of {args.batch_size}), validation error "
+            minibatches = cli.counted(world * n_steps, "minibatch", "minibatches")
+            say(f"epoch {epoch}/{args.epochs}: {cli.counted(n_steps, 'step')} per worker "
+                f"({minibatches} of {args.batch_size}), validation error "
                 f"{progress.validation_errors[-1] * 100.:.2f} %  "
                 f"({world * n_steps * args.batch_size / epoch_time:,.0f} samples/s)")
             if args.save:
@@ -516,8 +537,12 @@ def parse_args(argv=None):
                    "the options it was trained with (--save may name the same file)")
     p.add_argument("--json", metavar="PATH", type=cli.writable,
                    help="write a summary of the run as JSON")
-    p.add_argument("--check", action="store_true", help="after every step, measure how far "
-                   "the replicas differ (max_replica_diff; slow: the host waits)")
+    p.add_argument("--average-every", type=cli.positive_int, default=1, metavar="H",
+                   help="average the replicas every H steps (local SGD): each worker takes H "
+                        "SGD steps on its own minibatches, then all average; an epoch always "
+                        "ends on an average (default: 1, the 2014 demo: after every step)")
+    p.add_argument("--check", action="store_true", help="after every average, measure how "
+                   "far the replicas differ (max_replica_diff; slow: the host waits)")
     p.add_argument("--seed", type=int, default=SEED,
                    help="weight initialisation seed (default: %(default)s)")
     p.add_argument("--staged", action="store_true",

@@ -21,6 +21,7 @@ and the prediction is the most probable class:
 Run alone, this file trains the model on the demo's data, as the tutorial did::
 
     python logistic_sgd.py [--dataset PATH] [--epochs 20]
+    THEANO_FLAGS=device=cuda0 python logistic_sgd.py   # on GPU 0, through PyTensor's JAX backend
 """
 import signal
 if __name__ == "__main__":  # a Ctrl-C while PyTensor loads ends the script, with no traceback
@@ -133,14 +134,21 @@ def minibatch(data, index, batch_size):
     return rows.reshape((n_batches, batch_size) + tuple(rows.shape[1:data.ndim]))[index]
 
 
-def sgd_optimization_mnist(learning_rate=0.13, n_epochs=20, dataset=None, batch_size=600):
+def sgd_optimization_mnist(learning_rate=0.13, n_epochs=20, dataset=None, batch_size=600,
+                           device=None):
     """Stochastic gradient descent on a log-linear model, the tutorial's loop
     reduced to its core: train on every minibatch, validate after each epoch,
-    keep the test error of the best-validation model."""
+    keep the test error of the best-validation model.
+
+    :param device: None for PyTensor's default backend on the CPU, or a JAX
+        device (``THEANO_FLAGS=device=cuda0``): every function compiles for
+        it, and the data and the weights live there
+    """
     dataset, notice = tutorial.resolve(dataset)
     if notice:
         print(notice)
-    (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = load_data(dataset)
+    mode, put = (device.mode, device.put) if device else (None, None)
+    (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = load_data(dataset, put=put)
     n_train_batches = train_x.get_value(borrow=True).shape[0] // batch_size
     if n_train_batches == 0:
         raise tutorial.DatasetError(f"batch size {batch_size} is larger than the training set")
@@ -156,17 +164,24 @@ def sgd_optimization_mnist(learning_rate=0.13, n_epochs=20, dataset=None, batch_
         [index], cost,
         updates=[(classifier.W, classifier.W - learning_rate * g_W),
                  (classifier.b, classifier.b - learning_rate * g_b)],
-        givens={x: minibatch(train_x, index, batch_size), y: minibatch(train_y, index, batch_size)})
-    validate_model = pytensor.function([], classifier.errors(y), givens={x: valid_x, y: valid_y})
-    test_model = pytensor.function([], classifier.errors(y), givens={x: test_x, y: test_y})
-    with tutorial.heartbeat(f"compiling with PyTensor's {tutorial.backend_name()} backend (the first run "
-                       "takes a minute or so; later runs use the cache)"):
+        givens={x: minibatch(train_x, index, batch_size), y: minibatch(train_y, index, batch_size)},
+        mode=mode)
+    validate_model = pytensor.function([], classifier.errors(y), givens={x: valid_x, y: valid_y},
+                                       mode=mode)
+    test_model = pytensor.function([], classifier.errors(y), givens={x: test_x, y: test_y},
+                                   mode=mode)
+    where = f" on {device.name}" if device else ""
+    with tutorial.heartbeat(f"compiling with PyTensor's {tutorial.backend_name(mode)} backend"
+                            f"{where} (the first run takes a minute or so; later runs use the "
+                            "cache)"):
         for f in (validate_model, test_model):  # compiled on the first call
             f()
         saved = [p.get_value() for p in classifier.params]
         train_model(0)
         for p, value in zip(classifier.params, saved):
             p.set_value(value)
+            if put:  # held on the device: a NumPy value would be sent there at every call
+                p.container.storage[0] = put(value)
 
     print("... training the model")
     best_validation_loss, test_score, train_time = np.inf, np.inf, 0.0
@@ -192,10 +207,12 @@ def sgd_optimization_mnist(learning_rate=0.13, n_epochs=20, dataset=None, batch_
 def main(argv=None):
     tutorial.quiet_start_up()
     parser = tutorial.parser("Train logistic regression on MNIST, as in the deeplearning.net "
-                             "tutorial.", epochs=20, batch_size=100, learning_rate=0.13)
+                             "tutorial (on a GPU with THEANO_FLAGS=device=cuda0).", epochs=20,
+                             batch_size=100, learning_rate=0.13)
     args = parser.parse_args(argv)
     return tutorial.run("logistic_sgd.py", lambda: sgd_optimization_mnist(
-        args.learning_rate, args.epochs, args.dataset, args.batch_size), args.dataset)
+        args.learning_rate, args.epochs, args.dataset, args.batch_size,
+        tutorial.device_from_flags()), args.dataset)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -184,8 +184,8 @@ def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, datase
                                     f"({n_train} images)")
     where = f" on {device.name}" if device else ""
     with tutorial.heartbeat(f"building the model and compiling it with PyTensor's "
-                       f"{tutorial.backend_name(mode)} backend{where} (the first run takes a minute "
-                       "or so; later runs use the cache)"):
+                            f"{tutorial.backend_name(mode)} backend{where} (the first run takes a "
+                            "minute or so; later runs use the cache)"):
         model = Model(data, batch_size, n_hidden, learning_rate, L1_reg, L2_reg, seed, mode=mode)
         model.warm_up(put=put)
     n_train_batches = model.n_train_batches

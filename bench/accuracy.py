@@ -15,7 +15,9 @@ are the figures.  The systems: ``dual_mlp.py 0 1`` (GPU-ordered, ``--exchange
 xla``, host-ordered), the project's model on one GPU (``mlp.py``, and its
 compiled step at its best), PyTorch eager and as a CUDA graph, on one GPU and
 with DDP on two, JAX's mesh data parallelism, one step and K steps per call
-(``bench.references --curve``).  A run that fails stops the benchmark.
+(``bench.references --curve``), and the demo in local SGD, averaging every
+H steps (``--average-every``, 2, 4 and 8 by default beside the every-step
+H = 1).  A run that fails stops the benchmark.
 
 Writes ``accuracy.json`` (command, date, machine, every curve, the figures)
 and ``accuracy.png`` (test accuracy against training seconds); ``--tables-from
@@ -45,7 +47,18 @@ def demo(name, args, workers, opts, tmp, env=None):
     """A dual_mlp.py (two workers) or mlp.py (one) run: its --json curve."""
     summary = summary_of([*args, *training(opts), "--batch-size",
                           str(GLOBAL_BATCH // workers)], workers, tmp, env)
-    return summarise(name, workers, summary, opts.target)
+    result = summarise(name, workers, summary, opts.target)
+    if workers > 1:
+        result.update(average_every=summary["average_every"], averages=summary["averages"])
+    return result
+
+
+def local_sgd(devices, opts, tmp):
+    """The demo on ``devices``, averaging every H steps, for each H > 1 asked."""
+    for every in opts.average_every:
+        if every > 1:
+            yield demo(f"demo {' '.join(devices)} --average-every {every}",
+                       [*devices, "--average-every", str(every)], 2, opts, tmp)
 
 
 def reference(system, name, workers, opts, options=(), env=None):
@@ -86,11 +99,13 @@ def gpu_systems(opts, tmp):
     yield reference("ddp", "PyTorch DDP, two GPUs", 2, opts)
     yield reference("ddp-graph", "PyTorch DDP CUDA graph, two GPUs", 2, opts)
     yield demo("demo 0 1 --sync host", ["0", "1", "--sync", "host"], 2, opts, tmp)
+    yield from local_sgd(["0", "1", "--sync", "gpu"], opts, tmp)
 
 
 def cpu_systems(opts, tmp):
     yield demo("demo cpu cpu", ["cpu", "cpu"], 2, opts, tmp)
     yield demo("one CPU process (mlp.py)", [], 1, opts, tmp)
+    yield from local_sgd(["cpu", "cpu"], opts, tmp)
 
 
 def plot(results, target, path):
@@ -142,6 +157,8 @@ def main():
     parser.add_argument("--epochs", type=int, default=120, help="the budget, in epochs")
     parser.add_argument("--learning-rate", type=float, default=0.1)
     parser.add_argument("--l2", type=float, default=0.0)
+    parser.add_argument("--average-every", type=int, nargs="+", default=[1, 2, 4, 8],
+                        metavar="H", help="the demo's H values (local SGD; default: %(default)s)")
     parser.add_argument("--out", default=RESULTS, help="folder for accuracy.json and .png")
     opts = parse_args(parser, table)
     if not 0 < opts.target < 1:

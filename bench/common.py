@@ -39,6 +39,22 @@ def busy_gpus():
     return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
 
+def require_gpus():
+    """Stop in one line, exit 2, where no GPU is here (``nvidia-smi -L`` lists
+    none): a run that measures nothing must not replace a committed result.
+    (Asks nvidia-smi, not CUDA: CUDA started here would see every GPU.)"""
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                                timeout=30).stdout
+    except OSError:
+        listed = ""
+    if "GPU" not in listed:
+        print(f"{os.path.basename(sys.argv[0])}: error: no GPU here (nvidia-smi lists none): "
+              "nothing was measured and no result was written; on a CPU, the benchmarks "
+              "that have one take --cpu", file=sys.stderr)
+        sys.exit(2)
+
+
 def refuse_busy_gpus():
     """Stop before measuring beside another process on the GPUs: its figures
     would not be this system's (seen: a test run left training made every
@@ -149,11 +165,13 @@ def write_block(name, text):
 
 def tables_from(path, table):
     """``--tables-from JSON``: regenerate the running script's README tables
-    (the block named after it, or the one its results file names) from a
-    results file."""
+    (the block named after it, ``NAME.py --cpu`` for a CPU run's, or the
+    one its results file names) from a results file."""
     with open(path) as f:
         document = json.load(f)
-    write_block(document.get("block", os.path.basename(sys.argv[0])), table(document))
+    script = os.path.basename(sys.argv[0])
+    write_block(document.get("block", f"{script} --cpu" if document.get("cpu") else script),
+                table(document))
 
 
 def parse_args(parser, table):
@@ -168,4 +186,6 @@ def parse_args(parser, table):
     if args.tables_from:
         tables_from(args.tables_from, table)
         sys.exit(0)
+    if not getattr(args, "cpu", False):
+        require_gpus()
     return args

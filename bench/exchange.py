@@ -454,11 +454,23 @@ def table(document):
     return "\n".join(lines)
 
 
+def power_of_two(text):
+    """--max-mb: checked as it is parsed, before the benchmark looks for GPUs."""
+    try:
+        mb = int(text)
+    except ValueError:
+        mb = 0
+    if not 0 < mb <= 1024 or math.log2(mb) % 1:
+        raise argparse.ArgumentTypeError("must be a power of two, at most 1024")
+    return mb
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", nargs=2, default=["0", "1"], metavar="GPU",
                         help="the two GPUs (default: 0 1)")
-    parser.add_argument("--max-mb", type=int, default=256, help="largest copy, MB (default 256)")
+    parser.add_argument("--max-mb", type=power_of_two, default=256,
+                        help="largest copy, MB, a power of two up to 1024 (default 256)")
     parser.add_argument("--link-gbps", type=float, default=450.0,
                         help="the link's one-way limit where nvidia-smi reports none "
                              "(default 450: H200 NVLink, 18 links x 25 GB/s)")
@@ -476,8 +488,6 @@ def main():
         args.rank, args.workers = int(args.rank or 0), int(args.workers or 2)
         return {"owner": owner, "reader": reader, "single": single,
                 "exchange-worker": exchange_worker, "nccl-worker": nccl_worker}[args.role](args)
-    if not 0 < args.max_mb <= 1024 or math.log2(args.max_mb) % 1:
-        parser.error("--max-mb must be a power of two, at most 1024")
     refuse_busy_gpus()
     if args.allreduce is not None:
         return allreduce_main(args)

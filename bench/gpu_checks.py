@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 
-from bench.common import RESULTS, ROOT, record
+from bench.common import RESULTS, ROOT, record, require_gpus
 
 
 def main():
@@ -20,6 +20,7 @@ def main():
     parser.add_argument("-k", metavar="EXPRESSION",
                         help="only the tests pytest's -k selects (a device call has ten minutes)")
     args = parser.parse_args()
+    require_gpus()  # before anything is written: the committed record stays as it was
     pytest = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-s", "-rA", "-p",
               "no:cacheprovider", "-o", "timeout=240", "--durations=0"]
     pytest += ["-k", args.k] if args.k else []

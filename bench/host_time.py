@@ -25,7 +25,7 @@ import time
 
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")  # one GPU, as a worker sees it
 
-from bench.common import RESULTS, record
+from bench.common import RESULTS, record, require_gpus
 
 from multi_gpu import flags  # noqa: F401  (first: float32, as the scripts run)
 import jax
@@ -59,6 +59,7 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args()
+    require_gpus()
     device = JaxDevice()
     model = mlp.Model(load_data(args.dataset, put=device.put), args.batch_size, mode="JAX")
     model.warm_up(put=device.put)

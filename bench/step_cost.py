@@ -20,6 +20,9 @@ On one device, at batch 100, 500 and 5000 and at 1 and K steps per call:
   written and waited for, on one GPU.  With ``--cpu``, where there are no
   kernels, the exchange is a host callback that echoes the weights, a
   stand-in that runs the same trainer;
+* ``GPU-ordered step, --average-every 4``: the same trainer in local SGD,
+  the kernel run every fourth step (the other three the tutorial's own
+  step), at the K that are multiples of 4 (12 among the defaults);
 * ``--exchange xla, a world of one``: ``dual_mlp.XlaOrdered`` itself, its
   program compiled over JAX's distributed runtime with this process its one
   worker: an all-reduce of one participant, which XLA compiles away on a
@@ -31,7 +34,7 @@ at the end, ``--rounds`` times, the systems taking turns (what drifts on
 the host during a run reaches them all alike): each figure is the
 median of its rounds.  The host's time inside the calls says which of host
 and device sets the pace.  Each exchange's own step counter must equal the
-steps run (it ran once a step).  Target: the GPU-ordered step within 1.15x
+averages run (once a step, or once every four).  Target: the GPU-ordered step within 1.15x
 of the plain step at every batch.  Writes ``step_cost.json`` (``step_cost_cpu.json``).
 """
 import argparse
@@ -45,8 +48,10 @@ from bench.common import RESULTS, keep_to_one_device, one_device, parse_args, re
 
 
 TARGET = 1.15  # for the GPU-ordered step
+EVERY = 4      # --average-every of the local-SGD row
 ORDERED, XLA = "GPU-ordered step, loopback", "--exchange xla, a world of one"
-SYSTEMS = ("plain step", "plain step, written out", ORDERED, XLA)
+LOCAL = f"GPU-ordered step, --average-every {EVERY}"
+SYSTEMS = ("plain step", "plain step, written out", ORDERED, LOCAL, XLA)
 
 
 def plain_step(dataset, batch, steps_per_call, written_out=False):
@@ -99,12 +104,13 @@ class HostEcho:
         pass
 
 
-def gpu_ordered_step(model, device, steps_per_call, cpu):
+def gpu_ordered_step(model, device, steps_per_call, cpu, average_every=1):
     """``(run(calls), wait, host seconds so far, trainer)`` of dual_mlp's
     GPU-ordered trainer in loopback."""
     import dual_mlp
     trainer = dual_mlp.GpuOrdered(0, 1, model, device, None, check=False, watchdog=None,
-                                  steps_per_call=steps_per_call, exchange=HostEcho if cpu else None)
+                                  steps_per_call=steps_per_call, average_every=average_every,
+                                  exchange=HostEcho if cpu else None)
     trainer.exchange.loopback()
     return (*its_own_epochs(trainer), trainer)
 
@@ -183,40 +189,42 @@ def main():
     import mlp
     from logistic_sgd import load_data
     data = load_data(args.dataset, put=device.put)
-    ks = args.steps_per_call or [1, dual_mlp.STEPS_PER_CALL]
+    ks = args.steps_per_call or [1, dual_mlp.STEPS_PER_CALL, 3 * EVERY]
     figures = []
     for batch in args.batches:
         model = mlp.Model(data, batch, mode="JAX")
         model.warm_up(put=device.put)
         for k in sorted({min(k, model.n_train_batches) for k in ks}):
-            *ordered_step, trainer = gpu_ordered_step(model, device, k, args.cpu)
+            ordered_trainers = [gpu_ordered_step(model, device, k, args.cpu, every)[-1]
+                                for every in ((1, EVERY) if k % EVERY == 0 else (1,))]
             *xla_step, xla_trainer = xla_ordered_step(model, device, xla, k)
             systems = [plain_step(args.dataset, batch, k),
-                       plain_step(args.dataset, batch, k, written_out=True), ordered_step,
-                       xla_step]
+                       plain_step(args.dataset, batch, k, written_out=True),
+                       *[its_own_epochs(t) for t in ordered_trainers], xla_step]
             for run, wait, _ in systems:  # warm: the first call compiles or captures
                 run(2)
                 wait()
             rounds = [[measure(*system, k, args.steps) for system in systems]
                       for _ in range(args.rounds)]
-            plain, written, ordered, by_xla = zip(*rounds)
+            plain, written, *ordered, by_xla = zip(*rounds)
             plain = figure("plain step", batch, k, plain)
             written = figure("plain step, written out", batch, k, written, plain)
-            ordered = figure(ORDERED, batch, k, ordered, plain,
-                             exchange_steps=trainer.exchange.steps_done(),
-                             steps_run=trainer.steps,
-                             exchange_callbacks=trainer.exchange.callbacks)
-            trainer.exchange.close()
+            ordered = [figure(LOCAL if t.average_every > 1 else ORDERED, batch, k, timed, plain,
+                              exchange_steps=t.exchange.steps_done(), averages_run=t.averages,
+                              steps_run=t.steps, exchange_callbacks=t.exchange.callbacks)
+                       for t, timed in zip(ordered_trainers, ordered)]
+            for t in ordered_trainers:
+                t.exchange.close()
             xla_trainer.finish()
             xla_trainer.to_model()  # its state began as the model's own buffers, donated since
-            by_xla = figure(XLA, batch, k, by_xla, plain,
-                            exchange_steps=xla_trainer.exchange_steps, steps_run=xla_trainer.steps)
-            for f in (ordered, by_xla):
-                if f["exchange_steps"] != f["steps_run"]:
+            by_xla = figure(XLA, batch, k, by_xla, plain, exchange_steps=xla_trainer.exchange_steps,
+                            averages_run=xla_trainer.steps, steps_run=xla_trainer.steps)
+            for f in (*ordered, by_xla):
+                if f["exchange_steps"] != f["averages_run"]:
                     sys.exit(f"step_cost.py: error: {f['system']} counted {f['exchange_steps']} "
-                             f"steps of {f['steps_run']} at batch {batch}, K={k}")
-            figures += [plain, written, ordered, by_xla]
-            for f in (plain, written, ordered, by_xla):
+                             f"of {f['averages_run']} averages at batch {batch}, K={k}")
+            figures += [plain, written, *ordered, by_xla]
+            for f in (plain, written, *ordered, by_xla):
                 print(f"B={batch:5d} K={k:3d} {f['system']:33s} {f['step_us']:8.1f} us/step, "
                       f"host {f['host_us_per_step']:7.1f} us/step"
                       + (f"  {f['over_plain']:.3f}x plain" if "over_plain" in f else ""),

@@ -21,7 +21,7 @@ import glob
 import os
 import tempfile
 
-from bench.common import RESULTS, one_device, record
+from bench.common import RESULTS, one_device, record, require_gpus
 
 from multi_gpu import datasets
 
@@ -63,6 +63,8 @@ def main():
     parser.add_argument("--cpu", action="store_true", help="on the CPU, batch 500 (CI)")
     parser.add_argument("--out", default=RESULTS, help="folder for step_profile.json")
     args = parser.parse_args()
+    if not args.cpu:
+        require_gpus()
     if args.cpu:
         args.batch, args.steps = 500, min(args.steps, 20)
     device = one_device(args.cpu)

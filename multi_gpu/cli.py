@@ -145,6 +145,11 @@ def heartbeat(what, say=print, every=10.0):
         thread.join()
 
 
+def counted(n, one, many=None):
+    """'1 step', '15 steps': a count and its noun, in the number it takes."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def backend_name(mode=None):
     """Which PyTensor backend a mode compiles with, in words."""
     import pytensor

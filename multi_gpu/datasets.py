@@ -292,7 +292,14 @@ def download(out):
         for name in IDX_FILES:
             target = os.path.join(folder, name)
             print(f"fetching {MNIST_MIRROR}{name}")
-            urllib.request.urlretrieve(MNIST_MIRROR + name, target)
+            try:
+                urllib.request.urlretrieve(MNIST_MIRROR + name, target)
+            except OSError as e:  # urllib's URLError among them: no network, no such host
+                why = getattr(e, "reason", None) or e.strerror or e
+                raise DatasetError(
+                    f"could not reach the server for {MNIST_MIRROR}{name} ({why}); to use a copy "
+                    f"you have, put the four IDX files ({', '.join(IDX_FILES)}) in a folder and "
+                    "pass it as --dataset FOLDER") from None
             if md5(target) != MNIST_MD5[name]:
                 raise DatasetError(f"{name}: checksum mismatch, download corrupted")
         write_pickle(read(folder), out)

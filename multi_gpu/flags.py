@@ -29,6 +29,7 @@ import os
 import re
 import sys
 import tempfile
+from warnings import catch_warnings, showwarning
 
 THEANO_ONLY = ("init_gpu_device", "contexts", "force_device", "print_active_device",
                "gpuarray__", "dnn__", "lib__cnmem", "nvcc__", "cuda__", "pycuda__",
@@ -38,6 +39,7 @@ MODES = {"DEBUG_MODE": "DebugMode", "PROFILE_MODE": "FAST_RUN"}
 
 FLOATX = ("float32", "float64")  # what the demo's models are written for
 DEVICE = None  # THEANO_FLAGS' device, e.g. 'cuda0'; None for the CPU
+DEVICE_ASKED = None  # the same as the user typed it, e.g. 'gpu'; for messages
 
 
 class FlagError(ValueError):
@@ -80,24 +82,43 @@ def to_pytensor(theano_flags, pytensor_flags=""):
     return ",".join(f"{k}={v}" for k, v in flags.items()), warnings, device
 
 
+def culprit(message, given):
+    """'THEANO_FLAGS: mode=NOPE' for the flag whose value ``message`` names,
+    from the variables as the user gave them (``given``: name -> flags)."""
+    for name, flags in given.items():
+        for key, value in flags.items():
+            if value and (value in message or MODES.get(value, value) in message):
+                return f"{name}: {key}={value}"
+    return "a flag"
+
+
 def apply(environ=os.environ):
     """Map the flags, then import PyTensor, which reads them: a flag it
-    rejects ends the script in one line (exit 2)."""
-    global DEVICE
+    rejects ends the script in one line (exit 2); one it does not know is a
+    one-line warning that names the variable it came from."""
+    global DEVICE, DEVICE_ASKED
     script = os.path.basename(sys.argv[0]) or "python"
+    given = {"THEANO_FLAGS": environ.pop("THEANO_FLAGS", ""),
+             "PYTENSOR_FLAGS": environ.get("PYTENSOR_FLAGS", "")}
     try:
-        pytensor_flags, warnings, DEVICE = to_pytensor(environ.pop("THEANO_FLAGS", ""),
-                                                       environ.get("PYTENSOR_FLAGS", ""))
+        pytensor_flags, warnings, DEVICE = to_pytensor(*given.values())
+        DEVICE_ASKED = parse(given["THEANO_FLAGS"]).get("device")
         environ["PYTENSOR_FLAGS"] = pytensor_flags
-        import pytensor  # reads the flags
+        with catch_warnings(record=True) as unknown:  # the filters as they are, recorded
+            import pytensor  # reads the flags
     except ValueError as e:  # FlagError, or PyTensor's own check of a value
         message = str(e).splitlines()[0]
-        if not isinstance(e, FlagError):  # name the flag PyTensor refused
-            culprit = [f"{k}={v}" for k, v in parse(environ["PYTENSOR_FLAGS"]).items()
-                       if v and v in message]
-            message = f"PYTENSOR_FLAGS: {(culprit or ['a flag'])[0]}: {message}"
+        if not isinstance(e, FlagError):  # name the flag PyTensor refused, as it was typed
+            message = f"{culprit(message, {k: parse(v) for k, v in given.items()})}: {message}"
         print(f"{script}: error: {message}", file=sys.stderr)
         sys.exit(2)
+    for w in unknown:
+        key = re.fullmatch(r"PyTensor does not recognise this flag: (\S+)", str(w.message))
+        if key is None:
+            showwarning(w.message, w.category, w.filename, w.lineno)
+            continue
+        source = next((n for n, v in given.items() if key.group(1) in parse(v, n)), "a flag")
+        warnings.append(f"{source}: '{key.group(1)}' is not a PyTensor flag: ignored")
     try:  # PyTensor makes its cache folder at the first compile: deep in a worker
         with tempfile.TemporaryFile(dir=pytensor.config.compiledir):
             pass

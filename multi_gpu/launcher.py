@@ -182,7 +182,8 @@ def check_nodes(args):
 
 # the options that shape the training: a checkpoint records them, and every
 # node of a run must be given the same (with the data set's fingerprint)
-TRAINED_WITH = ("batch_size", "learning_rate", "n_hidden", "l1", "l2", "workers", "dataset")
+TRAINED_WITH = ("batch_size", "learning_rate", "n_hidden", "l1", "l2", "average_every", "workers",
+                "dataset")
 RUN_OPTIONS = TRAINED_WITH + ("epochs", "seed", "exchange", "sync", "avg", "steps_per_call",
                               "nodes", "local_workers", "resume_epoch")
 
@@ -209,6 +210,8 @@ def check_resume(args, shapes):
                          f"ask for more --epochs")
     args.resume_epoch = state["epoch"]
     saved = state.get("config")
+    if saved is not None:
+        saved.setdefault("average_every", 1)  # checkpoints from before --average-every
     if saved is None:
         return (f"notice: {args.resume} does not record how it was trained (an older "
                 "checkpoint): resuming with the options given")
@@ -323,19 +326,30 @@ def enter_lobby(coordinator, node_rank, options, timeout):
 
 
 def check_steps_per_call(args, n_steps, default):
-    """Resolve --steps-per-call: ``default``, never more than an epoch of
-    ``n_steps``; one for the host-ordered loop.  Returns a notice or None."""
+    """Resolve --steps-per-call: ``default`` (rounded up to a multiple of
+    --average-every), never more than an epoch of ``n_steps``; one for the
+    host-ordered loop.  A call of K steps ends on an average, so a K less
+    than an epoch must be a multiple of H.  Returns the notices."""
+    every, notices = args.average_every, []
+    if every > n_steps:
+        notices.append(f"notice: --average-every {every} is more than an epoch ({n_steps} steps): "
+                       "the replicas average once an epoch, at its end")
     if args.exchange == "p2p" and args.sync == "host":
         if args.steps_per_call:
             raise UsageError("--steps-per-call: the host-ordered 2014 loop (--sync host) takes "
                              "one step per call; K steps per call need --sync gpu or "
                              "--exchange xla")
         args.steps_per_call = 1
-        return None
-    asked, args.steps_per_call = args.steps_per_call, min(args.steps_per_call or default, n_steps)
+        return notices
+    asked = args.steps_per_call
+    if asked and asked % every and asked < n_steps:
+        raise UsageError(f"--steps-per-call {asked} is not a multiple of --average-every "
+                         f"{every}: a compiled call of K steps ends on an average")
+    args.steps_per_call = min(asked or -(-default // every) * every, n_steps)
     if asked and asked > n_steps:
-        return f"notice: --steps-per-call {asked} is more than an epoch: {n_steps} steps per call"
-    return None
+        notices.append(f"notice: --steps-per-call {asked} is more than an epoch: {n_steps} steps "
+                       "per call")
+    return notices
 
 
 def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
@@ -346,7 +360,7 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
     ``steps_per_call`` the default of the device-ordered exchanges."""
     notices = []
     if flags.DEVICE:
-        notices.append(f"warning: THEANO_FLAGS: 'device={flags.DEVICE}' is ignored: "
+        notices.append(f"warning: THEANO_FLAGS: 'device={flags.DEVICE_ASKED}' is ignored: "
                        "dual_mlp.py takes its devices as arguments (dual_mlp.py 0 1)")
     check_nodes(args)
     args.devices, notice = choose_devices(args.devices)
@@ -363,14 +377,14 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
     if args.batch_size is None:
         args.batch_size = shipped_batch_size if args.dataset == datasets.SHIPPED else batch_size
         if args.dataset == datasets.SHIPPED:
+            steps = steps_per_epoch(n_train // args.batch_size, world)
             notices.append(f"batch size {args.batch_size} per worker, so that each worker "
-                           f"gets {steps_per_epoch(n_train // args.batch_size, world)} "
-                           "minibatches per epoch")
+                           f"gets {cli.counted(steps, 'minibatch', 'minibatches')} per epoch")
     if n_train < world * args.batch_size:
         raise UsageError(f"batch size {args.batch_size} is too large: the training set has "
                          f"{n_train} images, and each of the {world} workers needs a minibatch")
-    notices.append(check_steps_per_call(args, steps_per_epoch(n_train // args.batch_size, world),
-                                        steps_per_call))
+    notices += check_steps_per_call(args, steps_per_epoch(n_train // args.batch_size, world),
+                                    steps_per_call)
     args.trained_with = dict({k: getattr(args, k) for k in TRAINED_WITH[:-2]}, workers=world,
                              dataset=datasets.fingerprint(splits))
     args.resume_epoch = 0

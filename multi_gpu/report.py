@@ -46,6 +46,12 @@ def summarise(args, progress, trainer, n_steps, world, wall, device, say):
                       ": train {train:.0f} us, exchange {exchange:.0f} us (publish {publish:.0f} "
                       "+ signals {signal:.0f} + waiting for the peer {waiting:.0f} + copy "
                       "{copy:.0f}), average {average:.0f} us".format(**step_us)))
+    averaged = trainer.report()
+    if averaged["average_every"] > 1:  # local SGD
+        spent = (f"the exchange {averaged['exchange_s']:.2f} s in all" if "exchange_s" in averaged
+                 else "the exchange inside the compiled step")
+        say(f"The replicas averaged {averaged['averages']} times (every "
+            f"{averaged['average_every']} steps and at each epoch's end), {spent}")
     if args.check:
         say(f"max difference between the replicas after an exchange: {trainer.max_diff:g}")
     if not args.json:
@@ -65,7 +71,7 @@ def summarise(args, progress, trainer, n_steps, world, wall, device, say):
         summary["exchange_us_per_step"] = step_us["exchange"]
     if args.check:
         summary["max_replica_diff"] = trainer.max_diff
-    summary.update(trainer.report())
+    summary.update(averaged)
     try:
         records.write_json(args.json, summary)
     except OSError as e:  # a full disk, say: the run's result must not be lost

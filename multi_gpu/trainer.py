@@ -12,6 +12,9 @@
     times the host-ordered step's phases, wrapped once around each.
 ``steps_per_epoch``, ``minibatch``
     how worker k of N takes the minibatches k, k + N, k + 2N, ...
+``averages_after``, ``local_sgd``
+    ``--average-every H``: which steps end on an average, and a compiled call
+    of K steps as rounds of H - 1 steps of a worker's own and one that averages.
 """
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import collections
@@ -42,6 +45,20 @@ def minibatch(step, rank, world, n_steps):
     return world * (step % n_steps) + rank
 
 
+def averages_after(step, n_steps, every):
+    """Do the replicas average after ``step`` (0-based) of an epoch of
+    ``n_steps``?  After every ``every``-th, and after the epoch's last, so
+    that validation and checkpoints always see one model (local SGD; at
+    ``every`` = 1, after every step, as in 2014)."""
+    return (step + 1) % every == 0 or step + 1 == n_steps
+
+
+def averages_in(steps, every):
+    """How many averages a call of ``steps`` steps holds (``local_sgd``): it
+    starts on a round's first step and ends on an average."""
+    return -(-steps // every)
+
+
 def mean_in_rank_order(terms):
     """(worker 0's + worker 1's + ...) / N, the same sum in the same order on
     every worker, so that every replica gets the same bits; symbolic
@@ -61,11 +78,13 @@ class Trainer:
 
     route = ""  # how the weights travel, in words
 
-    def __init__(self, rank, world, model, link, check):
+    def __init__(self, rank, world, model, link, check, average_every=1):
         """``link`` reaches the other workers, for the handshake and for
-        ``gather``, which the exchange itself never uses."""
+        ``gather``, which the exchange itself never uses; the replicas
+        average every ``average_every`` steps (``averages_after``)."""
         self.rank, self.world, self.model, self.link, self.check = rank, world, model, link, check
         self.n_steps = steps_per_epoch(model.n_train_batches, world)
+        self.average_every, self.averages = average_every, 0
         self.max_diff = 0.0
 
     def start(self):
@@ -99,8 +118,8 @@ class Trainer:
         return {}
 
     def report(self):
-        """More entries for the summary."""
-        return {}
+        """More entries for the summary: how many times the replicas averaged."""
+        return dict(averages=self.averages, average_every=self.average_every)
 
 
 class StepClock:
@@ -142,8 +161,9 @@ class DeviceOrdered(Trainer):
     marker), whether the device is ``done`` with the call of a marker, and
     where the replica's ``device_weights`` are."""
 
-    def __init__(self, rank, world, model, link, check, watchdog, steps_per_call):
-        super().__init__(rank, world, model, link, check)
+    def __init__(self, rank, world, model, link, check, watchdog, steps_per_call,
+                 average_every=1):
+        super().__init__(rank, world, model, link, check, average_every)
         self.queued, self.watchdog = collections.deque(), watchdog or Unwatched()
         self.steps_per_call, self.programs, self.exchange_steps = steps_per_call, {}, None
         self.host_time, self.calls, self.steps = 0.0, 0, 0  # the host's share: inside the calls
@@ -171,6 +191,7 @@ class DeviceOrdered(Trainer):
             for first in range(0, n_steps, self.steps_per_call):
                 steps = min(self.steps_per_call, n_steps - first)
                 stop_point(self.rank, "train")
+                self.averages += averages_in(steps, self.average_every)  # each call ends on one
                 called = time.perf_counter()
                 self.queued.append(self.queue(steps))
                 self.host_time += time.perf_counter() - called
@@ -201,20 +222,47 @@ class DeviceOrdered(Trainer):
     def report(self):
         """What bounds the speed: a step that costs the host as long as the
         step takes is host-bound, one that costs it less waits for the GPU;
-        and how many steps the device counted (``exchange_steps``: the
-        exchange ran once a step where it equals the steps run)."""
-        return dict(host_us_per_call=1e6 * self.host_time / max(1, self.calls),
+        and how many steps the device counted (``exchange_steps``: under
+        ``--sync gpu`` the kernel's own count, which equals the averages run
+        where it ran once an average)."""
+        return dict(super().report(), host_us_per_call=1e6 * self.host_time / max(1, self.calls),
                     host_us_per_step=1e6 * self.host_time / max(1, self.steps),
                     steps_per_call=self.steps_per_call, exchange_steps=self.exchange_steps)
 
 
-def repeat(step, steps):
+def repeat(step, steps, unroll=UNROLL):
     """``steps`` calls of ``step(data, *state) -> state`` as one loop, in the
-    same order as one call each: ``UNROLL`` of them at a time in the loop's
+    same order as one call each: ``unroll`` of them at a time in the loop's
     body, which XLA otherwise runs a step at a time."""
     import jax
 
     def loop(data, *state):
         return jax.lax.fori_loop(0, steps, lambda _, state: step(data, *state), state,
-                                 unroll=min(steps, UNROLL))
+                                 unroll=max(1, min(steps, unroll)))
     return loop
+
+
+def local_sgd(own_step, averaging_step, steps, every):
+    """A compiled call of ``steps`` steps, ``--average-every`` ``every``:
+    rounds of ``every - 1`` of a worker's ``own_step`` and one
+    ``averaging_step``, and where a round is cut short (an epoch's end) its
+    steps the same way, the last one averaging.  Both steps take and return
+    ``(data, *state)`` alike.  At ``every`` = 1 every step averages: the
+    2014 demo's call, ``repeat(averaging_step, steps)``."""
+    if every == 1:
+        return repeat(averaging_step, steps)
+
+    def round_of(n):
+        def round_(data, *state):
+            for _ in range(n - 1):
+                state = own_step(data, *state)
+            return averaging_step(data, *state)
+        return round_
+    rounds, left = divmod(steps, every)
+    whole = repeat(round_of(every), rounds, unroll=UNROLL // every) if rounds else None
+
+    def call(data, *state):
+        if whole:
+            state = whole(data, *state)
+        return round_of(left)(data, *state) if left else state
+    return call

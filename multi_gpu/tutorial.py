@@ -20,8 +20,8 @@ import os
 import sys
 
 from multi_gpu import cli, datasets, records
-from multi_gpu.cli import (backend_name, heartbeat, non_negative, positive, positive_int,  # noqa: F401
-                           quiet_start_up, writable)
+from multi_gpu.cli import (backend_name, heartbeat, non_negative, positive,  # noqa: F401
+                           positive_int, quiet_start_up, writable)
 from multi_gpu.datasets import N_CLASSES, N_PIXELS, DatasetError, read, resolve  # noqa: F401
 from multi_gpu.records import epoch_record, run_header, save_checkpoint, write_json  # noqa: F401
 
@@ -36,7 +36,7 @@ def device_from_flags():
     JAX, no NVIDIA GPU, or no GPU of that number."""
     if not flags.DEVICE:
         return None
-    index, asked = int(flags.DEVICE[4:]), f"THEANO_FLAGS device={flags.DEVICE}"
+    index, asked = int(flags.DEVICE[4:]), f"THEANO_FLAGS device={flags.DEVICE_ASKED}"
     cpu = "or leave device= out to run on the CPU"
     if not any((d.metadata["Name"] or "").lower().startswith("jax-cuda")
                for d in importlib.metadata.distributions()):

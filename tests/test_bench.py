@@ -98,11 +98,15 @@ def test_exchange_bench_help_and_bad_values():
 
 
 def test_accuracy_cpu_subset_records_curves_and_when_each_system_reached_the_target(tmp_path):
-    out = script("bench.accuracy", "--cpu", "--epochs", 4, "--target", 0.85, "--out", tmp_path)
+    out = script("bench.accuracy", "--cpu", "--epochs", 4, "--target", 0.85, "--average-every", 1,
+                 4, "--out", tmp_path)
     assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / "accuracy_cpu.json").read_text())
     assert result["complete"] is True and result["target"] == 0.85
-    demo, one = result["systems"]
+    demo, one, local = result["systems"]
+    assert local["system"] == "demo cpu cpu --average-every 4" and local["average_every"] == 4
+    assert local["averages"] == 4 * 4 and demo["averages"] == 4 * 15  # 15 steps an epoch
+    assert [p["epoch"] for p in local["curve"]] == [1, 2, 3, 4]
     for s in (demo, one):
         assert [p["epoch"] for p in s["curve"]] == [1, 2, 3, 4]
         times = [p["train_s"] for p in s["curve"]]
@@ -202,16 +206,31 @@ def test_step_cost_cpu_times_the_plain_written_out_and_both_ordered_steps_and_co
     assert result["command"].startswith("python -m bench.step_cost") and result["target"] == 1.15
     seen = {(f["system"], f["steps_per_call"]): f for f in result["figures"]}
     ordered_systems = ("GPU-ordered step, loopback", "--exchange xla, a world of one")
+    local = "GPU-ordered step, --average-every 4"  # at the K that are multiples of 4 only
     assert set(seen) == {(s, k) for s in ("plain step", "plain step, written out",
-                                          *ordered_systems) for k in (1, 10)}
-    for k in (1, 10):
+                                          *ordered_systems) for k in (1, 10, 12)} | {(local, 12)}
+    for k in (1, 10, 12):
         plain = seen["plain step", k]
         for ordered in ordered_systems:
             assert seen[ordered, k]["exchange_steps"] == seen[ordered, k]["steps_run"] >= 40
         for other in (*(seen[s, k] for s in ordered_systems), seen["plain step, written out", k]):
             assert other["over_plain"] == other["step_us"] / plain["step_us"]
         assert plain["step_us"] > 0 and plain["host_us_per_step"] > 0
+    f = seen[local, 12]  # the exchange once every four steps
+    assert f["exchange_steps"] == f["averages_run"] == f["steps_run"] // 4 and f["steps_run"] >= 48
     for f in result["figures"]:  # each figure the median of its rounds, the systems in turn
         assert len(f["step_us_rounds"]) == result["rounds"] == 5
         assert f["step_us"] == sorted(f["step_us_rounds"])[2]
     assert "| 100 | 10 |" in out.stdout
+
+
+def test_gpu_checks_without_a_gpu_is_one_line_and_writes_nothing(tmp_path):
+    import shutil
+    if shutil.which("nvidia-smi"):
+        pytest.skip("a GPU machine: bench.gpu_checks runs there")
+    out = script("bench.gpu_checks", "--out", tmp_path / "results", timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "gpu_checks.py: error: no GPU here (nvidia-smi lists none): nothing was measured and no "
+        "result was written; on a CPU, the benchmarks that have one take --cpu"]
+    assert not (tmp_path / "results").exists()

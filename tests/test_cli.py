@@ -211,16 +211,42 @@ def test_help_explains_every_option():
     assert "--worker" not in out.stdout
 
 
-def test_a_gpu_asked_by_theano_flags_where_jax_has_no_cuda_is_one_line():
-    """THEANO_FLAGS=device=cuda0 on a machine whose JAX has no CUDA (CI's, a
-    laptop's): one line that says why and what to do, exit 2."""
+@pytest.mark.parametrize("name,device", [("mlp.py", "cuda0"), ("logistic_sgd.py", "gpu")])
+def test_a_gpu_asked_by_theano_flags_where_jax_has_no_cuda_is_one_line(name, device):
+    """THEANO_FLAGS=device=cuda0 (or Theano's old 'gpu') on a machine whose JAX
+    has no CUDA (CI's, a laptop's): one line that says why and what to do,
+    naming the flag as it was typed, exit 2; both tutorial scripts alike."""
     import importlib.metadata
     if any((d.metadata["Name"] or "").lower().startswith("jax-cuda")
            for d in importlib.metadata.distributions()):
         pytest.skip("this JAX has CUDA: the GPU tests run device=cuda0")
-    out = script("mlp.py", "--epochs", 1, env={"THEANO_FLAGS": "device=cuda0"}, timeout=120)
+    out = script(name, "--epochs", 1, env={"THEANO_FLAGS": f"device={device}"}, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "mlp.py: error: THEANO_FLAGS device=cuda0: this JAX has no CUDA support (pip install -r "
-        "requirements-gpu.txt on a machine with an NVIDIA GPU), or leave device= out to run on "
-        "the CPU"], out.stderr
+        f"{name}: error: THEANO_FLAGS device={device}: this JAX has no CUDA support (pip install "
+        "-r requirements-gpu.txt on a machine with an NVIDIA GPU), or leave device= out to run "
+        "on the CPU"], out.stderr
+
+
+def test_flags_pytensor_refuses_or_does_not_know_are_named_as_typed():
+    """A bad value is one line naming the variable and flag as the user typed
+    them; an unknown flag one warning line, not PyTensor's two-line warning
+    with its source path."""
+    out = script("mlp.py", "--help", env={"THEANO_FLAGS": "mode=NOPE"})
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert out.stderr.startswith("mlp.py: error: THEANO_FLAGS: mode=NOPE: "), out.stderr
+    out = script("mlp.py", "--help", env={"THEANO_FLAGS": "mode=FAST_RUN,foo=1"})
+    assert out.returncode == 0
+    assert out.stderr.strip().splitlines() == [
+        "warning: THEANO_FLAGS: 'foo' is not a PyTensor flag: ignored"], out.stderr
+
+
+def test_dual_mlp_names_the_device_flag_as_typed_and_counts_one_step_as_one():
+    """THEANO_FLAGS=device=gpu is Theano's spelling: the warning quotes it so;
+    1,500 a worker on the shipped 3,000 digits is one step an epoch."""
+    out = dual("--epochs", 1, "--batch-size", 1500, env={"THEANO_FLAGS": "device=gpu"})
+    assert out.returncode == 0, out.stderr
+    assert "warning: THEANO_FLAGS: 'device=gpu' is ignored: dual_mlp.py takes its devices" \
+        in out.stderr
+    assert ", 1 step per epoch;" in out.stdout
+    assert "epoch 1/1: 1 step per worker (2 minibatches of 1500)" in out.stdout, out.stdout

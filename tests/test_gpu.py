@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from multi_gpu import records
-from conftest import (FASHION, ROOT, SHAPES, dual, finish, kill_one_worker, start_checkpointing,
-                      start_dual, wait_until_training, workers_of)
+from conftest import (FASHION, ROOT, SHAPES, dual, finish, kill_one_worker, script,
+                      start_checkpointing, start_dual, wait_until_training, workers_of)
 from multi_gpu.launcher import usable_gpus, worker_environment
 
 N_GPUS = usable_gpus()[0]
@@ -131,6 +131,20 @@ def test_gpu_index_out_of_range_is_refused():
                                   f"machine has {N_GPUS} (0..{N_GPUS - 1})")
 
 
+@pytest.mark.parametrize("name", ["mlp.py", "logistic_sgd.py"])
+def test_the_tutorial_scripts_run_on_the_gpu_theano_flags_names(name):
+    """THEANO_FLAGS=device=cuda0: on GPU 0 through PyTensor's JAX backend, and
+    a GPU that is not there is one line."""
+    out = script(name, "--epochs", 2, env={"THEANO_FLAGS": "device=cuda0"}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "PyTensor's JAX backend on gpu0" in out.stdout, out.stdout  # JAX's name for it
+    out = script(name, "--epochs", 1, env={"THEANO_FLAGS": f"device=cuda{N_GPUS}"}, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"{name}: error: THEANO_FLAGS device=cuda{N_GPUS}: GPU {N_GPUS} does not exist: this "
+        f"machine has {N_GPUS} (cuda0..cuda{N_GPUS - 1})"), out.stderr
+
+
 def test_injected_failure_inside_an_exchange_on_gpus(no_leftovers):
     out = dual(*PAIR, "--epochs", 3, env={"DUAL_MLP_FAULT": "0:exchange:raise"}, timeout=120)
     assert out.returncode == 1
@@ -161,6 +175,28 @@ def test_gpu_ordered_exchange_keeps_replicas_identical_and_follows_the_host_orde
         print(f"exchange callbacks run: {gpu['exchange_callbacks']} in "
               f"{gpu['epochs_run'] * gpu['steps_per_epoch']} steps, {gpu['steps_per_call']} "
               f"a call; host {gpu['host_us_per_step']:.0f} us a step")
+
+
+@pytest.mark.parametrize("devices", ORDERED_PAIRS)
+def test_local_sgd_on_gpus_follows_the_host_ordered_run_and_the_cpu_path(tmp_path, devices):
+    """--average-every 4 (15 steps an epoch: averages after 4, 8, 12 and 15),
+    GPU-ordered at 12 steps a call (10 rounded up to a multiple of 4, the 3
+    left at the epoch's end a round of its own): replicas identical after
+    every average, the kernel run once an average, and the host-ordered run's
+    and the CPU's curve and weights."""
+    every = ("--epochs", 3, "--average-every", 4)
+    host, _ = run_json(tmp_path, "host", *devices, *every, "--sync", "host")
+    cpu, _ = run_json(tmp_path, "cpu", "cpu", "cpu", *every)
+    gpu, out = run_json(tmp_path, "gpu", *devices, *every, "--check", "--sync", "gpu")
+    assert gpu["max_replica_diff"] == 0.0 and gpu["steps_per_call"] == 12
+    assert gpu["averages"] == host["averages"] == cpu["averages"] == 3 * 4
+    assert gpu["exchange_steps"] == gpu["averages"]
+    assert "The replicas averaged 12 times" in out.stdout
+    for other in ("host", "cpu"):
+        np.testing.assert_allclose(gpu["validation_errors"],
+                                   (host if other == "host" else cpu)["validation_errors"],
+                                   atol=0.003)
+        assert_same_weights(tmp_path, "gpu", other, rtol=1e-3, atol=1e-5)
 
 
 @pytest.mark.parametrize("sync", ["gpu", "host"])
