@@ -510,7 +510,7 @@ def parse_args(argv=None):
                    help="L1 weight penalty (default: %(default)s)")
     p.add_argument("--l2", type=cli.non_negative, default=L2,
                    help="squared L2 weight penalty (default: %(default)s)")
-    p.add_argument("--dataset", metavar="PATH",
+    p.add_argument("--dataset", metavar="PATH", type=cli.dataset,
                    help="mnist.pkl.gz or a folder of MNIST-format IDX files, e.g. "
                         "/usr/share/datasets/fashion-mnist (default: ./mnist.pkl.gz if "
                         "present, else the 5,000 digits shipped in data/)")
@@ -543,7 +543,7 @@ def parse_args(argv=None):
                         "ends on an average (default: 1, the 2014 demo: after every step)")
     p.add_argument("--check", action="store_true", help="after every average, measure how "
                    "far the replicas differ (max_replica_diff; slow: the host waits)")
-    p.add_argument("--seed", type=int, default=SEED,
+    p.add_argument("--seed", type=cli.seed, default=SEED,
                    help="weight initialisation seed (default: %(default)s)")
     p.add_argument("--staged", action="store_true",
                    help="GPUs: copy the weights through host memory, the fallback used "

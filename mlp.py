@@ -243,7 +243,8 @@ def main(argv=None):
                         help="L1 weight penalty (default: %(default)s)")
     parser.add_argument("--l2", type=tutorial.non_negative, default=0.0001,
                         help="squared L2 weight penalty (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=1234, help="weight initialisation seed")
+    parser.add_argument("--seed", type=tutorial.seed, default=1234,
+                        help="weight initialisation seed, 0 to 2**32 - 1 (default: %(default)s)")
     parser.add_argument("--save", metavar="PATH", type=tutorial.writable,
                         help="write the final model (.npz) here")
     parser.add_argument("--json", metavar="PATH", type=tutorial.writable,

@@ -15,6 +15,7 @@ import contextlib
 import math
 import os
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -57,14 +58,23 @@ def _number(kind, test, wanted):
 
 
 positive_int = _number(int, lambda v: v > 0, "a positive integer")
+seed = _number(int, lambda v: 0 <= v < 2 ** 32, "an integer from 0 to 2**32 - 1")
 positive = _number(float, lambda v: v > 0, "a positive, finite number")
 non_negative = _number(float, lambda v: v >= 0, "a finite number >= 0")
+
+
+def dataset(path):
+    """--dataset: a path, never an empty one (that would read as none given)."""
+    if not path.strip():
+        raise argparse.ArgumentTypeError("empty: name a data set, or leave the option out for "
+                                         "the default")
+    return path
 
 
 def tutorial_parser(description, epochs, batch_size, learning_rate):
     """The options the tutorial's two scripts share, with their defaults."""
     parser = Parser(description=description)
-    parser.add_argument("--dataset", help="mnist.pkl.gz or a folder of IDX files "
+    parser.add_argument("--dataset", type=dataset, help="mnist.pkl.gz or a folder of IDX files "
                         "(default: ./mnist.pkl.gz, else the shipped 5,000 digits)")
     parser.add_argument("--epochs", type=positive_int, default=epochs,
                         help="passes over the training set (default: %(default)s)")
@@ -76,13 +86,18 @@ def tutorial_parser(description, epochs, batch_size, learning_rate):
 
 
 def writable(path):
-    """Check, before any work, that ``path`` can be written as a file:
-    not a folder, and its folder exists and takes a new file (tried for
-    real: permission bits say nothing to root on a read-only mount)."""
+    """Check, before any work, that ``path`` can be written as a file: a
+    regular file or nothing yet (never a device, a FIFO or a socket, which a
+    rename would replace for everyone), not a folder, and its folder exists
+    and takes a new file (tried for real: permission bits say nothing to
+    root on a read-only mount)."""
     path = os.path.abspath(path)
     folder = os.path.dirname(path)
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{path} is a folder, not a file")
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+        raise argparse.ArgumentTypeError(f"{path} is not a regular file (a device, FIFO or "
+                                         "socket): an output goes only to a regular file")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"cannot write {path}: folder {folder} does not exist")
     try:
@@ -119,10 +134,15 @@ def clash(inputs, outputs, allowed=()):
     return None
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
 def install_stop_handler(handler):
-    """From now on SIGINT and SIGTERM call ``handler`` (start-up is over)."""
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+    """From now on the signals that would end the process (Ctrl-C, SIGTERM, a
+    closed terminal's SIGHUP, SIGUSR1/2) call ``handler``, which stops it the
+    way it can clean up (start-up is over)."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, handler)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ import sys
 
 from multi_gpu import cli, datasets, records
 from multi_gpu.cli import (backend_name, heartbeat, non_negative, positive,  # noqa: F401
-                           positive_int, quiet_start_up, writable)
+                           positive_int, quiet_start_up, seed, writable)
 from multi_gpu.datasets import N_CLASSES, N_PIXELS, DatasetError, read, resolve  # noqa: F401
 from multi_gpu.records import epoch_record, run_header, save_checkpoint, write_json  # noqa: F401
 

@@ -7,6 +7,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -285,3 +286,57 @@ def test_the_fault_test_passes_beside_another_run_and_leaves_it_alone(tmp_path, 
         other.send_signal(signal.SIGINT)
         assert finish(other, timeout=15)[0] == 130
     assert other.pid not in LAUNCHERS
+
+
+# --- round three (issue 32): what is not a regular file, empty and out-of-range values,
+# the signals that end a process by default
+
+@pytest.mark.parametrize("option", ["--json", "--save"])
+def test_an_output_that_is_not_a_regular_file_is_refused_and_left_as_it_is(tmp_path, option):
+    """A FIFO stands in for a device node (/dev/null, /dev/zero): the finished
+    run's rename would replace it with a file, for everyone who writes there."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    out = dual("cpu", "cpu", "--epochs", 1, option, fifo, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"dual_mlp.py: error: argument {option}: {fifo} is not a regular file (a device, FIFO "
+        "or socket): an output goes only to a regular file (see --help)"]
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_a_fifo_as_resume_is_refused_before_it_is_opened(tmp_path):
+    fifo = tmp_path / "ck.npz"
+    os.mkfifo(fifo)
+    out = dual("cpu", "cpu", "--resume", fifo, timeout=60)  # opened, it would block for ever
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"dual_mlp.py: error: {fifo}: not a regular file"]
+
+
+@pytest.mark.parametrize("name", ["dual_mlp.py", "mlp.py"])
+@pytest.mark.parametrize("args,why", [
+    (("--dataset", ""), "argument --dataset: empty: name a data set, or leave the option out "
+                        "for the default"),
+    (("--seed", "-1"), "argument --seed: must be an integer from 0 to 2**32 - 1, got -1"),
+    (("--seed", "99999999999"), "argument --seed: must be an integer from 0 to 2**32 - 1, got "
+                                "99999999999")])
+def test_an_empty_dataset_or_a_seed_numpy_cannot_take_is_one_line(name, args, why):
+    out = script(name, *args, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"{name}: error: {why} (see --help)"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1])
+def test_a_hangup_or_user_signal_stops_the_run_in_one_line_and_frees_its_checkpoint(
+        tmp_path, no_leftovers, signum):
+    """A closed terminal's SIGHUP (or a SIGUSR1) ended the launcher silently,
+    its workers orphaned and the checkpoint's lock left behind."""
+    ckpt = tmp_path / "m.npz"
+    proc = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000)
+    proc.send_signal(signum)
+    code, took, err = finish(proc, timeout=10)
+    assert code == 128 + signum and took < 5
+    assert err.strip().splitlines() == [
+        f"interrupted ({signal.Signals(signum).name}); last checkpoint kept in {ckpt}"]
+    assert not (tmp_path / ".m.npz.lock").exists()
+    assert records.load_checkpoint(str(ckpt), SHAPES, records.TRAINING_STATE)[2]["epoch"] >= 1
