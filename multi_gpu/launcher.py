@@ -204,7 +204,8 @@ def check_resume(args, shapes):
     """The checkpoint fits the model's parameter ``shapes``, is not finished,
     and was trained as this run asks (the learning rate may change, with a
     notice); returns a notice."""
-    datasets.regular_file(args.resume)  # before it is opened: a FIFO would block for ever
+    if os.path.exists(args.resume):  # before it is opened: a FIFO would block for ever
+        datasets.regular_file(args.resume)
     _, _, state = records.load_checkpoint(args.resume, shapes, records.TRAINING_STATE)
     if state["epoch"] >= args.epochs:
         raise UsageError(f"{args.resume} is already at epoch {state['epoch']}: "
