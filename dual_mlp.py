@@ -236,7 +236,7 @@ class HostOrdered(Trainer):
         return self.clock.step_us(steps)
 
     def report(self):
-        return dict(super().report(), exchange_s=self.clock.step_us(1)["exchange"] / 1e6)
+        return dict(super().report(), exchange_s=self.clock.exchange_s())
 
     def close(self):
         self.transport.close()

@@ -142,11 +142,14 @@ class StepClock:
             return result
         return timed_phase
 
+    def exchange_s(self):
+        """Seconds in all of the phases that move weights."""
+        return sum(self.totals[k] for k in ("publish", "signal", "waiting", "copy"))
+
     def step_us(self, steps):
-        """Microseconds a step by phase; ``exchange`` sums the phases that move weights."""
-        us = {k: 1e6 * v / steps for k, v in self.totals.items()}
-        us["exchange"] = sum(us.get(k, 0.0) for k in ("publish", "signal", "waiting", "copy"))
-        return us
+        """Microseconds a step by phase, and ``exchange``: ``exchange_s``'s share."""
+        return dict({k: 1e6 * v / steps for k, v in self.totals.items()},
+                    exchange=1e6 * self.exchange_s() / steps)
 
 
 class DeviceOrdered(Trainer):

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 import mlp
-from multi_gpu import datasets
+from multi_gpu import datasets, records
 
 ROOT = Path(__file__).resolve().parents[1]
 FASHION = Path(os.environ.get("FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
@@ -246,3 +246,14 @@ def corrupt_cases(tmp_path):
     cases["idx header"] = (str(folder), "IDX header says")
     cases["missing"] = (str(tmp_path / "nothing-here"), "not found")
     return cases
+
+
+def assert_identical_checkpoints(path, other, state=("epoch",)):
+    """Two ``--save`` checkpoints hold the same weights, best weights and
+    training ``state`` entries, bit for bit (a resumed run against an
+    uninterrupted one)."""
+    weights, best, mine = records.load_checkpoint(str(path), SHAPES, state)
+    others, other_best, theirs = records.load_checkpoint(str(other), SHAPES, state)
+    for a, b in zip(weights + best, others + other_best):
+        np.testing.assert_array_equal(a, b)
+    assert mine == theirs

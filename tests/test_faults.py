@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from multi_gpu import datasets, records
-from conftest import (SHAPES, corrupt_cases, dual, finish, kill_one_worker, run_directories,
-                      start_checkpointing, start_dual, wait_for, wait_until_training,
-                      workers_of)
+from conftest import (SHAPES, assert_identical_checkpoints, corrupt_cases, dual, finish,
+                      kill_one_worker, run_directories, start_checkpointing, start_dual,
+                      wait_for, wait_until_training, workers_of)
 from multi_gpu.launcher import usable_gpus
 
 
@@ -167,11 +167,7 @@ def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(tmp_path
     assert out.returncode == 0, out.stderr
     assert "resumed from" in out.stdout and "epoch 3/4:" in out.stdout
     assert "epoch 1/4:" not in out.stdout
-    full, full_best, full_state = records.load_checkpoint(str(tmp_path / "full.npz"), SHAPES)
-    resumed, res_best, res_state = records.load_checkpoint(str(tmp_path / "resumed.npz"), SHAPES)
-    for a, b in zip(full + full_best, resumed + res_best):
-        np.testing.assert_array_equal(a, b)
-    assert full_state == res_state
+    assert_identical_checkpoints(tmp_path / "full.npz", tmp_path / "resumed.npz")
     out = dual("cpu", "cpu", "--epochs", 4, "--resume", tmp_path / "full.npz")
     assert out.returncode == 2 and "already at epoch 4" in out.stderr
 

@@ -8,7 +8,7 @@ import pytest
 
 import mlp
 from multi_gpu import datasets, records
-from conftest import SHAPES, dual
+from conftest import SHAPES, assert_identical_checkpoints, dual
 
 LEARNING_RATE, L2, BATCH = 0.13, 0.0001, 100  # the demo's defaults on the shipped digits
 
@@ -101,11 +101,7 @@ def test_a_local_sgd_run_resumed_mid_way_ends_as_an_uninterrupted_one(tmp_path):
     out = dual(*common, "--epochs", 3, "--resume", tmp_path / "half.npz", "--save",
                tmp_path / "resumed.npz")
     assert out.returncode == 0, out.stderr
-    full, full_best, full_state = records.load_checkpoint(str(tmp_path / "full.npz"), SHAPES)
-    resumed, res_best, res_state = records.load_checkpoint(str(tmp_path / "resumed.npz"), SHAPES)
-    for a, b in zip(full + full_best, resumed + res_best):
-        np.testing.assert_array_equal(a, b)
-    assert full_state == res_state
+    assert_identical_checkpoints(tmp_path / "full.npz", tmp_path / "resumed.npz")
     # another H is another training: refused, naming it
     out = dual("cpu", "cpu", "--epochs", 3, "--resume", tmp_path / "half.npz")
     assert out.returncode == 2

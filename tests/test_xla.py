@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from multi_gpu import records
-from conftest import (SHAPES, dual, finish, kill_one_worker, leftover_workers, run_directories,
-                      start_dual, start_node, wait_for, wait_until_training, workers_of)
+from conftest import (SHAPES, assert_identical_checkpoints, dual, finish, kill_one_worker,
+                      leftover_workers, run_directories, start_dual, start_node, wait_for,
+                      wait_until_training, workers_of)
 from multi_gpu.launcher import free_port
 
 
@@ -167,11 +168,8 @@ def test_resumed_three_worker_run_equals_an_uninterrupted_one(tmp_path, exchange
     run(tmp_path, "half", *common, "--epochs", 1)
     _, out = run(tmp_path, "resumed", *common, "--epochs", 3, "--resume", tmp_path / "half.npz")
     assert "resumed from" in out.stdout and "epoch 1/3:" not in out.stdout
-    full = records.load_checkpoint(str(tmp_path / "full.npz"), SHAPES, records.TRAINING_STATE)
-    resumed = records.load_checkpoint(str(tmp_path / "resumed.npz"), SHAPES, records.TRAINING_STATE)
-    for a, b in zip(full[0] + full[1], resumed[0] + resumed[1]):
-        np.testing.assert_array_equal(a, b)
-    assert full[2] == resumed[2]
+    assert_identical_checkpoints(tmp_path / "full.npz", tmp_path / "resumed.npz",
+                                 records.TRAINING_STATE)
 
 
 def test_bad_requests_for_many_workers_get_one_line_exit_2(tmp_path, no_leftovers):
