@@ -214,14 +214,13 @@ class HostOrdered(Trainer):
             self.world
         if kind == "theano":  # as in 2014: a compiled function whose updates are the means
             everyone = pytensor.shared(np.zeros(world * layout.size, layout.dtype), name="all")
-            place(everyone, recv)
+            place(everyone, device.alias(recv))  # read where the copies wrote
             slots = layout.slots(everyone, world)
             return pytensor.function([], [], mode=device.mode, updates=[
                 (p, mean_in_rank_order([slot[i] for slot in slots]))
                 for i, p in enumerate(params)])
         if kind == "pycuda":
-            return lambda: device.average_in_place([storage(p) for p in params], recv, layout,
-                                                   world)
+            return lambda: device.average_in_place(params, recv, layout, world)
 
         def through_host():
             slots = layout.slots(device.to_host(recv), world)
@@ -400,7 +399,7 @@ def worker(args, rank, world, dev, rundir, watchdog):
         cleanup.callback(device.close)
         data = load_data(args.dataset, put=device.put)  # resident on the device
         t0 = time.perf_counter()
-        with cli.heartbeat(report.compiling(device), say):
+        with cli.heartbeat(report.compiling("the model", device.mode, device.name), say):
             model = mlp.Model(data, args.batch_size, args.n_hidden, args.learning_rate, args.l1,
                               args.l2, args.seed, mode=device.mode)
             progress = records.Progress(model.get_params())

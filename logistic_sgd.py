@@ -22,6 +22,7 @@ Run alone, this file trains the model on the demo's data, as the tutorial did::
 
     python logistic_sgd.py [--dataset PATH] [--epochs 20]
     THEANO_FLAGS=device=cuda0 python logistic_sgd.py   # on GPU 0, through PyTensor's JAX backend
+    THEANO_FLAGS=mode=NUMBA python logistic_sgd.py     # on the CPU through Numba, not JAX
 """
 import signal
 if __name__ == "__main__":  # a Ctrl-C while PyTensor loads ends the script, with no traceback
@@ -140,9 +141,10 @@ def sgd_optimization_mnist(learning_rate=0.13, n_epochs=20, dataset=None, batch_
     reduced to its core: train on every minibatch, validate after each epoch,
     keep the test error of the best-validation model.
 
-    :param device: None for PyTensor's default backend on the CPU, or a JAX
-        device (``THEANO_FLAGS=device=cuda0``): every function compiles for
-        it, and the data and the weights live there
+    :param device: a JAX device (the CPU, or a GPU: ``THEANO_FLAGS=device=cuda0``):
+        every function compiles for it, and the data and the weights live
+        there; or None for the CPU with the mode the flags name
+        (``THEANO_FLAGS=mode=NUMBA``)
     """
     dataset, notice = tutorial.resolve(dataset)
     if notice:
@@ -170,10 +172,8 @@ def sgd_optimization_mnist(learning_rate=0.13, n_epochs=20, dataset=None, batch_
                                        mode=mode)
     test_model = pytensor.function([], classifier.errors(y), givens={x: test_x, y: test_y},
                                    mode=mode)
-    where = f" on {device.name}" if device else ""
-    with tutorial.heartbeat(f"compiling with PyTensor's {tutorial.backend_name(mode)} backend"
-                            f"{where} (the first run takes a minute or so; later runs use the "
-                            "cache)"):
+    with tutorial.heartbeat(tutorial.compiling("the model", mode, device.name if device else
+                                               "cpu")):
         for f in (validate_model, test_model):  # compiled on the first call
             f()
         saved = [p.get_value() for p in classifier.params]

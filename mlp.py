@@ -17,6 +17,7 @@ Run alone, this file trains one model on one process, as the tutorial did::
 
     python mlp.py [--dataset PATH] [--epochs 10] [--batch-size 20] [--save model.npz]
     THEANO_FLAGS=device=cuda0 python mlp.py      # on GPU 0, through PyTensor's JAX backend
+    THEANO_FLAGS=mode=NUMBA python mlp.py        # on the CPU through Numba, not JAX
 """
 import signal
 if __name__ == "__main__":  # a Ctrl-C while PyTensor loads ends the script, with no traceback
@@ -170,8 +171,9 @@ def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, datase
     reduced to its core loop: train on every minibatch, validate after each
     epoch, keep the test error of the best-validation model.
 
-    :param device: None for PyTensor's default backend on the CPU, or a
-        ``multi_gpu.devices.JaxDevice`` (a GPU: ``THEANO_FLAGS=device=cuda0``)
+    :param device: a ``multi_gpu.devices.JaxDevice`` (the CPU, or a GPU:
+        ``THEANO_FLAGS=device=cuda0``), or None for the CPU with the mode the
+        flags name (``THEANO_FLAGS=mode=NUMBA``)
     """
     dataset, notice = tutorial.resolve(dataset)
     if notice:
@@ -182,10 +184,8 @@ def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, datase
     if n_train < batch_size:
         raise tutorial.DatasetError(f"batch size {batch_size} is larger than the training set "
                                     f"({n_train} images)")
-    where = f" on {device.name}" if device else ""
-    with tutorial.heartbeat(f"building the model and compiling it with PyTensor's "
-                            f"{tutorial.backend_name(mode)} backend{where} (the first run takes a "
-                            "minute or so; later runs use the cache)"):
+    with tutorial.heartbeat(tutorial.compiling("the model", mode, device.name if device else
+                                               "cpu")):
         model = Model(data, batch_size, n_hidden, learning_rate, L1_reg, L2_reg, seed, mode=mode)
         model.warm_up(put=put)
     n_train_batches = model.n_train_batches

@@ -170,6 +170,12 @@ def counted(n, one, many=None):
     return f"{n} {one if n == 1 else many or one + 's'}"
 
 
+def tilde(path):
+    """``path`` with the home folder written ``~``, as a user would type it."""
+    home = os.path.expanduser("~")
+    return "~" + path[len(home):] if path.startswith(home + os.sep) else path
+
+
 def backend_name(mode=None):
     """Which PyTensor backend a mode compiles with, in words."""
     import pytensor

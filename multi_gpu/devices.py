@@ -1,10 +1,11 @@
 """Where a worker's arrays live, and how its compiled step is called there.
 
-``HostDevice``
-    the CPU with PyTensor's default backend: NumPy arrays.
 ``JaxDevice``
     PyTensor's JAX backend on the one JAX device this process sees: its GPU,
-    or the CPU (``--exchange xla`` on CPUs).
+    or the CPU (the CPU's default: ``cpu_backend``).
+``HostDevice``
+    the CPU with the backend the flags' mode names (``mode=NUMBA``): NumPy
+    arrays.
 ``CudaDevice``
     a GPU.  PyCUDA works on the same memory as JAX, through the device's
     primary context (the one JAX uses): pointers from JAX arrays are valid
@@ -36,11 +37,26 @@ def place(shared, value):
     shared.container.storage[0] = value
 
 
+# Modes that leave the CPU's backend to us: none named, or Theano's "the fast one"
+CPU_DEFAULT_MODES = (None, "FAST_RUN", "JAX")
+
+
+def cpu_backend(mode=None):
+    """The backend a CPU worker compiles with: PyTensor's JAX backend, unless
+    the flags name another mode (``THEANO_FLAGS=mode=NUMBA``, ``DebugMode``,
+    ...).  JAX by default because a newcomer's first run is a compile: XLA
+    builds the model in seconds where Numba takes half a minute, keeps its
+    programs for the next run (``keep_compiled_programs``), and steps about
+    as fast (bench/first_run.py measures all three)."""
+    from multi_gpu import flags
+    return "JAX" if (flags.MODE if mode is None else mode) in CPU_DEFAULT_MODES else "flags"
+
+
 def open_device(dev, jax_on_cpu=False):
     """The device of ``dev`` (a GPU index as a string, or 'cpu')."""
     if dev != "cpu":
         return CudaDevice(int(dev))
-    return JaxDevice() if jax_on_cpu else HostDevice()
+    return JaxDevice() if jax_on_cpu or cpu_backend() == "JAX" else HostDevice()
 
 
 class HostDevice:
@@ -54,22 +70,20 @@ class HostDevice:
     def put(self, array):
         return np.array(array)
 
+    def alias(self, host):
+        return host
+
     def to_host(self, value):
         return np.asarray(value)
 
     def wait(self, values):
         pass  # NumPy work is done when the call returns
 
-    def average_in_place(self, arrays, recv, layout, n_workers):
+    def average_in_place(self, params, recv, layout, n_workers):
         """``--avg pycuda`` on the CPU: the direct array operation, in place:
         each parameter set to the mean of every worker's (``recv``), summed in
         rank order."""
-        everyone = layout.slots(recv, n_workers)
-        for i, mine in enumerate(arrays):
-            np.copyto(mine, everyone[0][i])
-            for theirs in everyone[1:]:
-                mine += theirs[i]
-            mine /= n_workers
+        mean_into([storage(p) for p in params], recv, layout, n_workers)
 
     def close(self):
         pass
@@ -95,17 +109,35 @@ class JaxDevice:
         jax.config.update("jax_default_matmul_precision", "highest")
         keep_compiled_programs(jax)
         (self.jax_device,) = jax.local_devices()  # creates JAX's context on our GPU
-        self.name = f"{self.jax_device.platform}{self.jax_device.id}"
+        platform = self.jax_device.platform
+        self.name = "cpu" if platform == "cpu" else f"{platform}{self.jax_device.id}"
         self.description = self.jax_device.device_kind
 
     def put(self, array):
         return self.jax.device_put(np.asarray(array), self.jax_device)
+
+    def alias(self, host):
+        """A JAX array on the CPU that reads ``host`` (a ``host_buffer``) in
+        place, as PyCUDA's copies into a GPU's receive buffer are read: what
+        the host writes there, the next compiled call sees, with no copy."""
+        view = self.jax.dlpack.from_dlpack(host)
+        if view.unsafe_buffer_pointer() != host.ctypes.data:
+            raise RuntimeError("JAX copied a host buffer it should read in place")
+        return view
 
     def to_host(self, value):
         return np.array(value)
 
     def wait(self, values):
         self.jax.block_until_ready(values)
+
+    def average_in_place(self, params, recv, layout, n_workers):
+        """``--avg pycuda`` on JAX's CPU: JAX's arrays cannot be written, so
+        NumPy's in-place mean goes into fresh host copies, handed to JAX."""
+        means = [self.to_host(storage(p)) for p in params]
+        mean_into(means, recv, layout, n_workers)
+        for p, mean in zip(params, means):
+            place(p, self.put(mean))
 
     def close(self):
         pass
@@ -159,11 +191,14 @@ class CudaDevice(JaxDevice):
     def pointer(array):
         return array.unsafe_buffer_pointer()
 
-    def average_in_place(self, arrays, recv, layout, n_workers):
+    def alias(self, recv):
+        return recv  # already on the GPU
+
+    def average_in_place(self, params, recv, layout, n_workers):
         """``--avg pycuda``: the kernel, in place on the buffers JAX handed
         back; safe because nothing else holds them and we wait for it."""
         base, itemsize = self.pointer(recv), layout.dtype.itemsize
-        for mine, offset in zip(arrays, layout.offsets):
+        for mine, offset in zip([storage(p) for p in params], layout.offsets):
             n = mine.size
             self._average.prepared_async_call((min((n + 255) // 256, 1024), 1), (256, 1, 1),
                                               self.stream, self.pointer(mine),
@@ -174,6 +209,26 @@ class CudaDevice(JaxDevice):
     def close(self):
         self.context.pop()
         self.context.detach()
+
+
+def host_buffer(size, dtype):
+    """``size`` zeros in host memory, 64-byte aligned: XLA's CPU client reads
+    such a buffer in place (``JaxDevice.alias``); NumPy's own may be less."""
+    dtype = np.dtype(dtype)
+    raw = np.zeros(size * dtype.itemsize + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + size * dtype.itemsize].view(dtype)
+
+
+def mean_into(arrays, recv, layout, n_workers):
+    """Each array set to the mean of every worker's (``recv``), in place,
+    summed in rank order."""
+    everyone = layout.slots(recv, n_workers)
+    for i, mine in enumerate(arrays):
+        np.copyto(mine, everyone[0][i])
+        for theirs in everyone[1:]:
+            mine += theirs[i]
+        mine /= n_workers
 
 
 def jax_cache_folder():

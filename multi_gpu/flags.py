@@ -40,6 +40,7 @@ MODES = {"DEBUG_MODE": "DebugMode", "PROFILE_MODE": "FAST_RUN"}
 FLOATX = ("float32", "float64")  # what the demo's models are written for
 DEVICE = None  # THEANO_FLAGS' device, e.g. 'cuda0'; None for the CPU
 DEVICE_ASKED = None  # the same as the user typed it, e.g. 'gpu'; for messages
+MODE = None  # the mode the flags name, as PyTensor knows it (None: none named)
 
 
 class FlagError(ValueError):
@@ -96,13 +97,14 @@ def apply(environ=os.environ):
     """Map the flags, then import PyTensor, which reads them: a flag it
     rejects ends the script in one line (exit 2); one it does not know is a
     one-line warning that names the variable it came from."""
-    global DEVICE, DEVICE_ASKED
+    global DEVICE, DEVICE_ASKED, MODE
     script = os.path.basename(sys.argv[0]) or "python"
     given = {"THEANO_FLAGS": environ.pop("THEANO_FLAGS", ""),
              "PYTENSOR_FLAGS": environ.get("PYTENSOR_FLAGS", "")}
     try:
         pytensor_flags, warnings, DEVICE = to_pytensor(*given.values())
         DEVICE_ASKED = parse(given["THEANO_FLAGS"]).get("device")
+        MODE = parse(pytensor_flags).get("mode")
         environ["PYTENSOR_FLAGS"] = pytensor_flags
         with catch_warnings(record=True) as unknown:  # the filters as they are, recorded
             import pytensor  # reads the flags

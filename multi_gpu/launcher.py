@@ -411,6 +411,9 @@ def worker_environment(dev, n_local, one_machine=True):
         threads = str(max(1, (os.cpu_count() or 2) // n_local))
         env.update(JAX_PLATFORMS="cpu", OMP_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads,
                    MKL_NUM_THREADS=threads, NUMBA_NUM_THREADS=threads)
+        if threads == "1":  # a core each: XLA would split every op over all of them
+            env["XLA_FLAGS"] = " ".join(filter(None, (env.get("XLA_FLAGS"),
+                                                      "--xla_cpu_multi_thread_eigen=false")))
     else:
         # the worker sees its own GPU only; JAX takes memory as it needs it,
         # not 75% up front, so that two workers can share a GPU

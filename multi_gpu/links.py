@@ -42,6 +42,7 @@ import time
 import numpy as np
 import zmq
 
+from multi_gpu import devices
 from multi_gpu.worker import Interrupted, quit_now, stopped_workers
 
 
@@ -190,7 +191,7 @@ class HostTransport:
         self.path = os.path.join(rundir, f"weights{rank}.bin")
         self.send = np.memmap(self.path, layout.dtype, mode="w+", shape=(layout.size,))
         self.send_views = layout.views(self.send)
-        self.recv = device.put(np.zeros(n_workers * layout.size, layout.dtype))
+        self.recv = devices.host_buffer(n_workers * layout.size, layout.dtype)
         self.sources = []
 
     def handle(self):
@@ -218,6 +219,10 @@ class StagedCudaTransport(HostTransport):
     weights down into its mapped host file, the others copy them up."""
 
     route = "host memory (staged)"
+
+    def __init__(self, rundir, rank, n_workers, layout, device):
+        super().__init__(rundir, rank, n_workers, layout, device)
+        self.recv = device.put(self.recv)  # on the GPU: the copies go up into it
 
     def publish(self, values):
         for view, value in zip(self.send_views, values):

@@ -23,15 +23,15 @@ def check_finite(weights, epoch, learning_rate):
                        "The last checkpoint, if any, is the last good one")
 
 
-def compiling(device):
-    """What the heartbeat says while the model compiles."""
-    backend = cli.backend_name(device.mode)
-    if backend == "JAX":
-        return (f"compiling the model on {device.name}: PyTensor builds the graph, XLA compiles "
-                f"it (the first run takes a minute or so; later runs load XLA's programs from "
-                f"{devices.jax_cache_folder()})")
-    return (f"compiling the model with PyTensor's {backend} backend on {device.name} (the "
-            "first run takes a minute or so; later runs use the cache)")
+def compiling(what, mode=None, where="cpu"):
+    """What the heartbeat says while ``what`` compiles with ``mode``'s backend
+    on ``where``: which backend, and how long a first run takes."""
+    backend = cli.backend_name(mode)
+    first = "a few seconds" if backend == "JAX" and where == "cpu" else "a minute or so"
+    later = (f"load XLA's programs from {cli.tilde(devices.jax_cache_folder())}"
+             if backend == "JAX" else "use the cache")
+    return (f"compiling {what} with PyTensor's {backend} backend on {where} (the first run takes "
+            f"{first}; later runs {later})")
 
 
 def summarise(args, progress, trainer, n_steps, world, wall, device, say):

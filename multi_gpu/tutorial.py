@@ -8,9 +8,10 @@ Imported before PyTensor, it maps ``THEANO_FLAGS`` onto PyTensor's flags
   splits), ``resolve`` (which file, when none is named), ``N_PIXELS`` and
   ``N_CLASSES``;
 * the command line: ``parser`` with the options both scripts share, the
-  number checks, ``heartbeat`` while a graph compiles, ``backend_name``,
+  number checks, ``heartbeat`` while a graph compiles and what it says
+  (``compiling``), ``backend_name``,
   ``quiet_start_up``, and ``run``, which says in one line what went wrong;
-* the device ``THEANO_FLAGS=device=cudaN`` asks for: ``device_from_flags``;
+* the device the flags ask for (``device=cudaN``, or the CPU): ``device_from_flags``;
 * the records: ``save_checkpoint``, ``epoch_record``, ``run_header``,
   ``write_json``.
 """
@@ -24,18 +25,25 @@ from multi_gpu.cli import (backend_name, heartbeat, non_negative, positive,  # n
                            positive_int, quiet_start_up, seed, writable)
 from multi_gpu.datasets import N_CLASSES, N_PIXELS, DatasetError, read, resolve  # noqa: F401
 from multi_gpu.records import epoch_record, run_header, save_checkpoint, write_json  # noqa: F401
+from multi_gpu.report import compiling  # noqa: F401
 
 parser = cli.tutorial_parser
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"  # one folder per GPU the NVIDIA driver sees
 
 
 def device_from_flags():
-    """THEANO_FLAGS=device=cudaN: this process on GPU N, through PyTensor's JAX
-    backend, as Theano's flag put it there (None: the CPU).  Where GPU N
-    cannot be used, a ``DatasetError`` says why in one line: no CUDA in this
-    JAX, no NVIDIA GPU, or no GPU of that number."""
-    if not flags.DEVICE:
-        return None
+    """The device the flags ask for.  THEANO_FLAGS=device=cudaN: this process
+    on GPU N, through PyTensor's JAX backend, as Theano's flag put it there.
+    Else the CPU, through JAX too (``devices.cpu_backend`` says why), or None
+    where the flags name another mode (``mode=NUMBA``).  Where GPU N cannot
+    be used, a ``DatasetError`` says why in one line: no CUDA in this JAX,
+    no NVIDIA GPU, or no GPU of that number."""
+    from multi_gpu.devices import JaxDevice, cpu_backend
+    if not flags.DEVICE:  # the CPU, with JAX unless the flags name another mode
+        if cpu_backend() != "JAX":
+            return None
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        return JaxDevice()
     index, asked = int(flags.DEVICE[4:]), f"THEANO_FLAGS device={flags.DEVICE_ASKED}"
     cpu = "or leave device= out to run on the CPU"
     if not any((d.metadata["Name"] or "").lower().startswith("jax-cuda")
@@ -52,7 +60,6 @@ def device_from_flags():
     # this process sees its GPU only, as a dual_mlp.py worker does
     os.environ.update(CUDA_VISIBLE_DEVICES=str(index), JAX_PLATFORMS="cuda",
                       XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    from multi_gpu.devices import JaxDevice
     try:
         return JaxDevice()
     except Exception as e:  # the driver or JAX's CUDA plugin would not start

@@ -90,16 +90,44 @@ def test_theano_flags_are_honoured_and_gpu_flags_only_warned_about(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("'device=cuda0' is ignored: dual_mlp.py takes its devices") == 1
     summary = json.loads((tmp_path / "run.json").read_text())
-    assert summary["backend"] == "VMLinker"  # FAST_COMPILE's, not the default Numba
+    assert summary["backend"] == "VMLinker"  # FAST_COMPILE's, not the default JAX
 
 
 def test_tutorial_scripts_run_alone():
     out = script("mlp.py", "--epochs", 1)
     assert out.returncode == 0, out.stderr
     assert "epoch 1, minibatch 150/150, validation error" in out.stdout
-    out = script("logistic_sgd.py", "--epochs", 2)
+    assert "with PyTensor's JAX backend on cpu" in out.stdout  # the CPU's default
+    out = script("logistic_sgd.py", "--epochs", 2, env={"THEANO_FLAGS": "mode=NUMBA"})
     assert out.returncode == 0, out.stderr
     assert "epoch 2, minibatch 30/30, validation error" in out.stdout
+    assert "with PyTensor's Numba backend on cpu" in out.stdout
+
+
+def test_cpu_workers_compile_with_jax_and_keep_it_numba_one_flag_away(tmp_path):
+    """The CPU's default backend is PyTensor's JAX: XLA's programs are kept in
+    the user's PyTensor cache for the next run.  THEANO_FLAGS=mode=NUMBA (and
+    the 2014 command's mode=FAST_RUN, which means the default) train the same
+    model to the same errors, up to float rounding."""
+    home = tmp_path / "home"
+    home.mkdir()
+    runs = {}
+    for name, env in (("default", {"HOME": str(home)}), ("fast_run", {"THEANO_FLAGS":
+                                                                       "mode=FAST_RUN"}),
+                      ("numba", {"THEANO_FLAGS": "mode=NUMBA"})):
+        out = dual("cpu", "cpu", "--epochs", 2, "--json", tmp_path / f"{name}.json", env=env)
+        assert out.returncode == 0, out.stderr
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+        runs[name]["stdout"] = out.stdout
+    assert runs["default"]["backend"] == runs["fast_run"]["backend"] == "JAXLinker"
+    assert runs["numba"]["backend"] == "NumbaLinker"
+    assert "... compiling the model with PyTensor's JAX backend on cpu" in runs["default"]["stdout"]
+    assert "... compiling the model with PyTensor's Numba backend on cpu" in runs["numba"]["stdout"]
+    kept = home / ".pytensor" / "jax_cache"
+    assert kept.is_dir() and len(list(kept.iterdir())) >= 4  # train, validate, test, average
+    assert runs["default"]["validation_errors"] == runs["fast_run"]["validation_errors"]
+    assert runs["default"]["validation_errors"] == pytest.approx(runs["numba"]["validation_errors"],
+                                                                 abs=0.003)
 
 
 def test_the_readme_shows_what_the_quick_start_prints():
@@ -109,7 +137,8 @@ def test_the_readme_shows_what_the_quick_start_prints():
 
     from conftest import ROOT
     readme = (ROOT / "README.md").read_text()
-    block = readme.split("A run on a 2-core machine:\n\n```\n", 1)[1].split("```", 1)[0]
+    block = readme.split("The first run on a 2-core machine, its caches empty:\n\n```\n",
+                         1)[1].split("```", 1)[0]
     example = [line for line in block.splitlines() if line != "..."]
     out = dual(timeout=300)
     assert out.returncode == 0, out.stderr

@@ -1,0 +1,141 @@
+"""The Quick start's first run: ``python dual_mlp.py`` cold, warm, and its step speed, per CPU backend.
+
+    python -m bench.first_run                                     # writes bench/results/first_run_cpu.json
+    python -m bench.first_run --out bench/results/first_run_cpu   # a result to commit
+
+A newcomer's first ``python dual_mlp.py`` is mostly a compile.  For each of
+PyTensor's two CPU backends, the default (JAX: XLA compiles the graph) and
+the one a flag away (``THEANO_FLAGS=mode=NUMBA``), this runs the Quick start
+as a newcomer would, and times it from outside, interpreter start-up included:
+
+* cold: in a private, empty ``HOME`` (PyTensor's and JAX's caches live
+  there) with private Numba and temporary folders, as on a fresh machine;
+* warm: the same command again, ``--warm-runs`` times, the caches now full;
+* step speed: ``--speed-epochs`` epochs, warm, the backends taking turns
+  ``--speed-runs`` times: microseconds per step of the pair of workers, from
+  each run's ``--json`` summary (the median is the figure).
+
+Every figure is the median of its runs; the JSON keeps each run.  No GPU is
+used (the launcher is asked for ``cpu cpu``).  ``--tables-from JSON``
+regenerates the README tables from such a file.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.common import RESULTS, ROOT, parse_args, record
+
+BACKENDS = {"JAX (the default)": {}, "Numba (THEANO_FLAGS=mode=NUMBA)": {"THEANO_FLAGS": "mode=NUMBA"}}
+
+
+def private_folders(tmp, name):
+    """A fresh HOME, Numba cache and TMPDIR under ``tmp``: a machine that never ran the demo."""
+    folders = {key: os.path.join(tmp, name, key.lower()) for key in ("HOME", "NUMBA_CACHE_DIR",
+                                                                     "TMPDIR")}
+    for folder in folders.values():
+        os.makedirs(folder)
+    return folders
+
+
+def quick_start(env, json_path, epochs=None):
+    """One ``python dual_mlp.py cpu cpu`` as the Quick start runs it: its
+    wall seconds from outside, the compile seconds it printed, its summary."""
+    cmd = [sys.executable, "dual_mlp.py", "cpu", "cpu", "--json", json_path]
+    if epochs:
+        cmd += ["--epochs", str(epochs)]
+    start = time.perf_counter()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, **env))
+    wall = time.perf_counter() - start
+    if out.returncode != 0:
+        sys.exit(f"first_run.py: error: {' '.join(cmd)} failed ({out.returncode}):\n"
+                 f"{out.stderr[-2000:]}")
+    compiled = re.search(r"compiled in ([\d.]+) s", out.stdout)
+    with open(json_path) as f:
+        summary = json.load(f)
+    return dict(wall_s=round(wall, 3), compile_s=float(compiled.group(1)) if compiled else None,
+                step_us=round(summary["step_us"]["step"], 1), backend=summary["backend"],
+                test_error=summary["test_error"])
+
+
+def measure(args, tmp):
+    homes = {name: private_folders(tmp, f"home{i}") for i, name in enumerate(BACKENDS)}
+    runs = {name: dict(cold=[], warm=[], speed=[]) for name in BACKENDS}
+    for b, (name, flags) in enumerate(BACKENDS.items()):
+        for i in range(args.cold_runs):  # each cold run in folders of its own
+            env = dict(private_folders(tmp, f"cold{b}-{i}"), **flags)
+            runs[name]["cold"].append(quick_start(env, os.path.join(tmp, "run.json")))
+            print(f"{name}: cold {runs[name]['cold'][-1]['wall_s']:.1f} s", flush=True)
+        env = dict(homes[name], **flags)
+        quick_start(env, os.path.join(tmp, "run.json"))  # fills this home's caches
+        for _ in range(args.warm_runs):
+            runs[name]["warm"].append(quick_start(env, os.path.join(tmp, "run.json")))
+            print(f"{name}: warm {runs[name]['warm'][-1]['wall_s']:.1f} s", flush=True)
+    for _ in range(args.speed_runs):  # the backends take turns: a busy moment hits both
+        for name, flags in BACKENDS.items():
+            runs[name]["speed"].append(quick_start(dict(homes[name], **flags),
+                                                   os.path.join(tmp, "run.json"),
+                                                   args.speed_epochs))
+            print(f"{name}: {runs[name]['speed'][-1]['step_us']:.0f} us per step", flush=True)
+    figures = []
+    for name, r in runs.items():
+        figures.append(dict(
+            backend=name, linker=r["cold"][0]["backend"],
+            cold_wall_s=statistics.median(x["wall_s"] for x in r["cold"]),
+            cold_compile_s=statistics.median(x["compile_s"] for x in r["cold"]),
+            warm_wall_s=statistics.median(x["wall_s"] for x in r["warm"]),
+            step_us=statistics.median(x["step_us"] for x in r["speed"]),
+            test_error=r["cold"][0]["test_error"], runs=r))
+    base = figures[1]["step_us"]  # Numba's: the CPU default before JAX
+    for f in figures:
+        f["speed_vs_numba"] = round(base / f["step_us"], 3)
+    return figures
+
+
+def table(document):
+    lines = [f"Measured by `{document['command']}` on {document['date'][:10]} "
+             f"({document['machine']['cpu']}, {document['cores']} cores, Python "
+             f"{document['machine']['python']}); each figure the median of "
+             f"{document['cold_runs']} cold, {document['warm_runs']} warm and "
+             f"{document['speed_runs']} timed runs of {document['speed_epochs']} epochs.", "",
+             "| CPU backend | first run (cold caches) | of which compiling | second run | "
+             "time per step | step speed against Numba |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for f in document["figures"]:
+        lines.append(f"| {f['backend']} | {f['cold_wall_s']:.1f} s | {f['cold_compile_s']:.1f} s "
+                     f"| {f['warm_wall_s']:.1f} s | {f['step_us'] / 1e3:.2f} ms | "
+                     f"{f['speed_vs_numba']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.set_defaults(cpu=True)  # a CPU benchmark: no GPU asked for
+    p.add_argument("--cold-runs", type=int, default=2, help="first runs per backend, each in "
+                   "fresh private folders (default: %(default)s)")
+    p.add_argument("--warm-runs", type=int, default=3,
+                   help="second runs per backend (default: %(default)s)")
+    p.add_argument("--speed-runs", type=int, default=3,
+                   help="timed runs per backend, taking turns (default: %(default)s)")
+    p.add_argument("--speed-epochs", type=int, default=30,
+                   help="epochs of each timed run (default: %(default)s)")
+    p.add_argument("--out", default=RESULTS, help="folder for first_run_cpu.json "
+                   "(default: bench/results, where git ignores it)")
+    args = parse_args(p, table)
+    with tempfile.TemporaryDirectory(prefix="first-run-") as tmp:
+        figures = measure(args, tmp)
+    path = record("first_run_cpu", args.out, cpu=True, block="first_run.py", cores=os.cpu_count(),
+                  cold_runs=args.cold_runs, warm_runs=args.warm_runs, speed_runs=args.speed_runs,
+                  speed_epochs=args.speed_epochs, figures=figures)
+    with open(path) as f:
+        print(table(json.load(f)))
+
+
+if __name__ == "__main__":
+    main()
