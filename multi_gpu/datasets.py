@@ -31,6 +31,7 @@ import contextlib
 import gzip
 import hashlib
 import io
+import math
 import os
 import pickle
 import stat
@@ -117,6 +118,9 @@ def as_floats(x):
 def check_split(path, name, x, y):
     if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray)):
         raise DatasetError(f"{path}: {name} set is not two arrays (images, labels)")
+    if x.size == 0 or y.size == 0:
+        raise DatasetError(f"{path}: {name} set is empty ({x.shape} images, {y.shape} labels): "
+                           "every split needs examples")
     if x.ndim != 2 or x.shape[1] != N_PIXELS or y.ndim != 1:
         raise DatasetError(f"{path}: {name} set has images of shape {x.shape} and labels of "
                            f"shape {y.shape}; expected (n, {N_PIXELS}) and (n,)")
@@ -126,9 +130,10 @@ def check_split(path, name, x, y):
         raise DatasetError(f"{path}: {name} images hold NaN or infinite values")
     if len(x) != len(y):
         raise DatasetError(f"{path}: {name} set has {len(x)} images but {len(y)} labels")
-    if len(y) == 0:
-        raise DatasetError(f"{path}: {name} set is empty")
-    if not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= N_CLASSES:
+    if y.dtype.kind not in "iu":
+        raise DatasetError(f"{path}: {name} labels are {y.dtype}, not integers in "
+                           f"0..{N_CLASSES - 1}")
+    if y.min() < 0 or y.max() >= N_CLASSES:
         raise DatasetError(f"{path}: {name} labels must be integers in 0..{N_CLASSES - 1}, "
                            f"found {y.min()}..{y.max()}")
 
@@ -165,21 +170,57 @@ class ArraysOnly(pickle.Unpickler):
     ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"),
                ("numpy.core.multiarray", "_reconstruct"),    # NumPy 1 wrote these
                ("numpy._core.multiarray", "_reconstruct"),   # NumPy 2
-               ("_codecs", "encode")}                        # protocol 2's bytes
+               ("numpy.core.numeric", "_frombuffer"),        # protocol 5, NumPy 1
+               ("numpy._core.numeric", "_frombuffer"),       # protocol 5, NumPy 2
+               ("_codecs", "encode"),                        # protocol 2's bytes
+               ("__builtin__", "bytes"), ("builtins", "bytes")}  # protocol 2's b"" (bytes())
 
     def find_class(self, module, name):
         if (module, name) not in self.ALLOWED:
             raise pickle.UnpicklingError(f"it asks for {module}.{name}, which a data set "
                                          "never needs")
-        if module.startswith("numpy") and name == "_reconstruct":
-            return np.ndarray.__reduce__(np.zeros(0))[0]  # NumPy's own, whichever version
+        if name == "bytes":
+            return empty_bytes
+        if name in ("_reconstruct", "_frombuffer"):  # NumPy's own, whichever version wrote it
+            return {"_reconstruct": np.ndarray.__reduce__(np.zeros(0))[0],
+                    "_frombuffer": np.zeros(1).__reduce_ex__(5)[0]}[name]
         return super().find_class(module, name)
+
+
+def empty_bytes(*args):
+    """``bytes()``, as protocol 2 writes an empty array's data; never
+    ``bytes(n)``, which would make n zero bytes a pickle asked for."""
+    if args:
+        raise pickle.UnpicklingError("it asks for bytes(...) with arguments, which a data set "
+                                     "never needs")
+    return b""
+
+
+def arrays_in(splits):
+    """Every array of the splits as the pickle left them (any nesting)."""
+    if isinstance(splits, np.ndarray):
+        yield splits
+    elif isinstance(splits, (tuple, list)):
+        for part in splits:
+            yield from arrays_in(part)
+
+
+def backed_by(raw, path, splits):
+    """Refuse arrays larger than the file that holds them: ``numpy.ndarray``
+    called with a buffer and zero strides, or with a shape alone, declares
+    any number of rows for a few bytes, and the float copy would fill the
+    memory."""
+    for a in arrays_in(splits):
+        if a.nbytes > len(raw) or any(s == 0 for s, n in zip(a.strides, a.shape) if n > 1):
+            raise DatasetError(f"{path}: refused: an array of shape {a.shape} declares "
+                               f"{a.nbytes:,} bytes, and the file holds {len(raw):,}")
 
 
 def read_pickle(path):
     """The tutorial's format; its Python 2 pickles need latin1 for numpy."""
+    raw = _gunzip(path)
     try:
-        splits = ArraysOnly(io.BytesIO(_gunzip(path)), encoding="latin1").load()
+        splits = ArraysOnly(io.BytesIO(raw), encoding="latin1").load()
     except DatasetError:
         raise
     except pickle.UnpicklingError as e:
@@ -190,6 +231,7 @@ def read_pickle(path):
             and all(isinstance(s, (tuple, list)) and len(s) == 2 for s in splits)):
         raise DatasetError(f"{path}: expected ((train_x, train_y), (valid_x, valid_y), "
                            "(test_x, test_y))")
+    backed_by(raw, path, splits)
     return splits
 
 
@@ -210,9 +252,9 @@ def read_idx(path):
     if len(raw) < header:
         raise DatasetError(f"{path}: IDX header is cut short")
     shape = struct.unpack(f">{ndim}I", raw[4:header])
-    if len(raw) - header != int(np.prod(shape)):
-        raise DatasetError(f"{path}: IDX header says {shape} = {int(np.prod(shape))} values "
-                           f"but the file holds {len(raw) - header}")
+    if len(raw) - header != math.prod(shape):  # Python's integers: NumPy's would wrap
+        raise DatasetError(f"{path}: IDX header says {shape} = {math.prod(shape):,} values "
+                           f"but the file holds {len(raw) - header:,}")
     return np.frombuffer(raw, np.uint8, offset=header).reshape(shape)
 
 

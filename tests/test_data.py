@@ -154,3 +154,68 @@ def test_a_fifo_or_an_empty_split_is_refused_without_blocking(tmp_path):
     datasets.write_idx(str(folder / "t10k-labels-idx1-ubyte.gz"), np.zeros(0))
     with pytest.raises(datasets.DatasetError, match="test set is empty"):
         datasets.read(str(folder))
+
+
+class Declared:
+    """Pickles as ``numpy.ndarray(*args)``: an array whose size the pickle
+    only declares (a shape, a tiny buffer, zero strides)."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __reduce__(self):
+        return np.ndarray, self.args
+
+
+def test_an_array_larger_than_its_file_is_refused_before_it_is_copied(tmp_path):
+    (tx, ty), valid, test = splits()
+    rows = 10 ** 5  # 313 MB as float32, from a file of kilobytes
+    for name, images in [("zero strides", Declared((rows, 784), np.dtype(np.float32),
+                                                   b"\0" * 4, 0, (0, 0))),
+                         ("a shape alone", Declared((rows, 784), np.dtype(np.float32)))]:
+        path = tmp_path / "big.pkl.gz"
+        data = ((images, np.zeros(rows, np.int64)), valid, test)
+        path.write_bytes(gzip.compress(pickle.dumps(data, protocol=2)))
+        assert path.stat().st_size * 1000 < rows * 784 * 4
+        with pytest.raises(datasets.DatasetError, match=r"refused: an array of shape "
+                                                        r"\(100000, 784\) declares"):
+            datasets.read(str(path))
+
+
+def test_labels_that_are_not_integers_are_one_line(tmp_path):
+    (tx, ty), valid, test = splits()
+    for labels, kind in [(np.array(["3"] * len(ty)), "<U1"), (ty.astype(object), "object"),
+                         (ty.astype(np.float32), "float32")]:
+        path = tmp_path / "labels.pkl.gz"
+        path.write_bytes(gzip.compress(pickle.dumps(((tx, labels), valid, test), protocol=2)))
+        with pytest.raises(datasets.DatasetError,
+                           match=f"train labels are {kind}, not integers in 0..9"):
+            datasets.read(str(path))
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_every_pickle_protocol_numpy_writes_reads_the_same(tmp_path, protocol):
+    data = splits()
+    path = tmp_path / "data.pkl.gz"
+    path.write_bytes(gzip.compress(pickle.dumps(data, protocol=protocol)))
+    for (x, y), (rx, ry) in zip(data, datasets.read(str(path))):
+        assert np.array_equal(x, rx) and np.array_equal(y, ry)
+
+
+def test_an_empty_split_is_named_as_empty_whatever_its_shape(tmp_path):
+    (tx, ty), (vx, vy), test = splits()
+    for data, which in [(((tx[:0], ty[:0]), (vx, vy), test), "train"),
+                        (((tx, ty), (np.zeros(0, np.float32), vy[:0]), test), "valid")]:
+        path = tmp_path / "empty.pkl.gz"
+        path.write_bytes(gzip.compress(pickle.dumps(data, protocol=2)))
+        with pytest.raises(datasets.DatasetError, match=f"{which} set is empty"):
+            datasets.read(str(path))
+
+
+def test_an_idx_header_whose_size_wraps_around_is_refused(tmp_path):
+    path = tmp_path / "wrap-idx3-ubyte"
+    path.write_bytes(b"\0\0\x08\x04" + struct.pack(">4I", 65536, 65536, 65536, 65536))
+    with pytest.raises(datasets.DatasetError,
+                       match=r"IDX header says \(65536, 65536, 65536, 65536\) = "
+                             r"18,446,744,073,709,551,616 values but the file holds 0"):
+        datasets.read_idx(str(path))
