@@ -446,6 +446,7 @@ def worker(args, rank, world, dev, rundir, watchdog):
         if rank == 0:
             report.summarise(args, progress, trainer, n_steps, world,
                              time.perf_counter() - start_time, device, say)
+            progress.check_saved(args.save)
 
 
 # -----------------------------------------------------------------------------
@@ -466,7 +467,8 @@ def main(argv=None):
             shapes = mlp.parameter_shapes(datasets.N_PIXELS, args.n_hidden, datasets.N_CLASSES)
             notices = launcher.check_request(args, shapes, BATCH_SIZE, SHIPPED_BATCH_SIZE,
                                              STEPS_PER_CALL)
-            run.enter_context(records.hold(args.save))
+            run.enter_context(records.hold(args.save, args.json,
+                                           room=records.checkpoint_bytes(shapes)))
             rundir, folder_notice = launcher.run_folder(args, shapes)
             run.callback(shutil.rmtree, rundir, ignore_errors=True)
             if args.nodes > 1 and args.node_rank == 0:  # the others prove they belong here

@@ -21,6 +21,8 @@ import tempfile
 import threading
 import time
 
+from multi_gpu import datasets
+
 
 def quit_quietly(signum, frame):
     """A signal during start-up: one word, no traceback."""
@@ -100,6 +102,11 @@ def writable(path):
                                          "socket): an output goes only to a regular file")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"cannot write {path}: folder {folder} does not exist")
+    longest = os.pathconf(folder, "PC_NAME_MAX") - datasets.TEMPORARY_LONGER
+    if len(os.path.basename(path).encode()) > longest:
+        raise argparse.ArgumentTypeError(f"{os.path.basename(path)[:40]}...: the name is too "
+                                         f"long: at most {longest} bytes in {folder} (the "
+                                         "temporary file a write goes through has a longer one)")
     try:
         with tempfile.TemporaryFile(dir=folder):
             pass

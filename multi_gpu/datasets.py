@@ -28,12 +28,14 @@ verified) into ``./mnist.pkl.gz``, which the demo then uses by default.
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import argparse
 import contextlib
+import errno
 import gzip
 import hashlib
 import io
 import math
 import os
 import pickle
+import re
 import stat
 import struct
 import sys
@@ -299,18 +301,39 @@ def read_idx_folder(folder):
             (as_rows(test_x), test_y))
 
 
+def temporary_prefix(path):
+    """The start of the names of this process's temporaries for ``path``:
+    ``.NAME.PID.`` (then 8 random characters and ``.tmp``), so that one
+    run's temporaries cannot be taken for another's or for a user's file."""
+    return f".{os.path.basename(path)}.{os.getpid()}."
+
+
+# how much longer than NAME a temporary's name is: ".NAME.PID.XXXXXXXX.tmp", pids to 7 digits
+TEMPORARY_LONGER = len("..") + 7 + len(".") + 8 + len(".tmp")
+
+
+def is_temporary_of(entry, name):
+    """The pid in ``entry`` if it is a temporary ``atomic_write`` made for ``name``, else None."""
+    found = re.fullmatch(rf"\.{re.escape(name)}\.(\d+)\.[a-z0-9_]{{8}}\.tmp", entry)
+    return int(found.group(1)) if found else None
+
+
 @contextlib.contextmanager
 def atomic_write(path):
     """Open a temporary file beside ``path`` for writing and move it into
-    place only once it is complete: a crash leaves the old file intact."""
+    place only once it is complete: a crash leaves the old file intact.  The
+    temporary is this process's own (created ``O_EXCL``, named by
+    ``temporary_prefix``), and only a regular file, or nothing, is replaced."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                               prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+                               prefix=temporary_prefix(path), suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
+        if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+            raise OSError(errno.EEXIST, "not a regular file, left as it is", path)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -17,15 +17,16 @@ from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's 
 import contextlib
 import datetime
 import fcntl
-import glob
 import json
 import os
 import platform
+import stat
 import sys
+import tempfile
 
 import numpy as np
 
-from multi_gpu import datasets
+from multi_gpu import cli, datasets
 
 
 class CheckpointError(Exception):
@@ -49,6 +50,12 @@ def save_checkpoint(path, params, best_params, **state):
                    for k, v in state.items()})
     with datasets.atomic_write(path) as f:
         np.savez(f, **arrays)
+
+
+def checkpoint_bytes(shapes, itemsize=4):
+    """About what a checkpoint of a model of ``shapes`` takes on disk: its
+    weights twice (current, best), and room for the rest."""
+    return 2 * itemsize * sum(int(np.prod(s)) for s in shapes) + (1 << 16)
 
 
 def load_checkpoint(path, shapes, state=("epoch",)):
@@ -114,7 +121,7 @@ class Progress:
         self.epoch, self.best_validation_error, self.test_error = epoch, best_validation_error, \
             test_error
         self.validation_errors, self.best_params = list(validation_errors), params
-        self.curve, self.steps, self.train_s = [], 0, 0.0
+        self.curve, self.steps, self.train_s, self.saved = [], 0, 0.0, 0
 
     @classmethod
     def resume(cls, path, shapes):
@@ -144,9 +151,17 @@ class Progress:
         previous checkpoint as it was, and training goes on."""
         try:
             save_checkpoint(path, params, self.best_params, **self.state(), config=config)
+            self.saved += 1
         except OSError as e:
             print(f"worker 0: warning: could not write {path} ({e.strerror}): the previous one "
                   "is kept", file=sys.stderr)
+
+    def check_saved(self, path):
+        """A run asked to ``--save`` that trained and could write no checkpoint
+        at all has failed, whatever else it did."""
+        if path and self.steps and not self.saved:
+            raise CheckpointError(f"no checkpoint could be written to {path} (see the "
+                                  "warnings above): the training is lost")
 
     def summary(self, steps_per_epoch):
         """The summary's entries that describe the training itself."""
@@ -169,38 +184,130 @@ def write_json(path, document):
         f.write(json.dumps(document, indent=2).encode())
 
 
+LOCK_TAG = b"dual_mlp lock, pid "  # what a lock file this demo made starts with
+
+
 @contextlib.contextmanager
-def hold(path):
-    """Hold ``path`` for this run: a lock file beside it (``.NAME.lock``),
-    which a second run finds taken and is refused by.  Once held, what an
-    interrupted write of an earlier run left beside it (``.NAME.*.tmp``) is
-    nobody's and goes; the temporaries of a live run are never touched."""
-    if path is None:
+def hold(*paths, room=0):
+    """Hold each output in ``paths`` (None: no output) for this run: a lock
+    file beside it (``.NAME.lock``), which a second run finds taken and is
+    refused by, so that no run writes over another live run's checkpoint or
+    summary.  The lock is a regular file this run made or a lock of an
+    earlier one (opened ``O_NOFOLLOW``; a symlink or a user's file of that
+    name is refused, never truncated), and it is removed only if it is
+    still the one this run holds.  Once held, an earlier run's temporaries
+    (``datasets.is_temporary_of``) go, only where the run that made them is
+    gone; and ``room`` bytes are set aside once, for real, beside each
+    output: a full disk is found before training, not after."""
+    paths = [os.path.abspath(p) for p in paths if p]
+    locks = {path: lock_name(path) for path in paths}
+    for path in paths:
+        check_not_a_lock(path, locks)
+    with contextlib.ExitStack() as held:
+        for path in paths:
+            held.enter_context(lock(path, locks[path], room))
         yield
+
+
+def lock_name(path):
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}.lock")
+
+
+def check_not_a_lock(path, locks):
+    """An output may not be a lock file, this run's or another's."""
+    other = next((p for p, lock in locks.items() if cli.same_file(path, lock)), None)
+    if other:
+        raise CheckpointError(f"{path} is the lock file of {other}: choose another name")
+    try:
+        with open(path, "rb") as f:
+            start = f.read(len(LOCK_TAG))
+    except OSError:
         return
-    folder, name = os.path.split(os.path.abspath(path))
-    lock = os.path.join(folder, f".{name}.lock")
-    while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    if start == LOCK_TAG:
+        raise CheckpointError(f"{path} is the lock file of a run's checkpoint: choose another name")
+
+
+@contextlib.contextmanager
+def lock(path, lock_path, room):
+    fd = take_lock(path, lock_path)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, LOCK_TAG + str(os.getpid()).encode(), 0)
+        folder, name = os.path.split(path)
+        for entry in os.listdir(folder):
+            pid = datasets.is_temporary_of(entry, name)
+            if pid is not None and pid != os.getpid() and not alive(pid):
+                os.unlink(os.path.join(folder, entry))
+        if room:
+            set_aside(path, room)
+        yield
+    finally:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise CheckpointError(f"{path} is being written by another run (pid {owner}): "
-                                  "choose another --save, or wait for it") from None
-        try:  # the lock file still there, not one a finishing run has just removed
-            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
-                break
+            if os.path.samestat(os.fstat(fd), os.lstat(lock_path)):
+                os.unlink(lock_path)
         except FileNotFoundError:
             pass
         os.close(fd)
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        for stale in glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}.*.tmp")):
-            os.unlink(stale)
-        yield
-    finally:
-        os.unlink(lock)
+
+
+def take_lock(path, lock_path):
+    """The open, locked descriptor of ``path``'s lock file (see ``hold``)."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    while True:
+        try:
+            fd, made = os.open(lock_path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            try:
+                fd, made = os.open(lock_path, flags), False
+            except FileNotFoundError:  # a finishing run removed it just now
+                continue
+            except OSError as e:
+                raise CheckpointError(f"{lock_path}, where {path}'s lock goes, cannot be used "
+                                      f"({e.strerror}; a symbolic link?): move it away") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CheckpointError(f"{lock_path}, where {path}'s lock goes, is not a regular "
+                                  "file: move it away")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 64, 0)[len(LOCK_TAG):].decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise CheckpointError(f"{path} is being written by another run (pid {owner}): "
+                                  "choose another name, or wait for it") from None
+        if not made and os.pread(fd, len(LOCK_TAG), 0) != LOCK_TAG:
+            os.close(fd)
+            raise CheckpointError(f"{lock_path} exists and is not a lock this demo made: it "
+                                  f"is left as it is; move it away to write {path}")
+        try:  # the lock file still there, not one a finishing run has just removed
+            if os.path.samestat(os.fstat(fd), os.lstat(lock_path)):
+                return fd
+        except FileNotFoundError:
+            pass
         os.close(fd)
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
+
+
+def set_aside(path, nbytes):
+    """Take ``nbytes`` beside ``path`` for real, then give them back: a full
+    disk says so now (ENOSPC), not once training has run."""
+    folder = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=datasets.temporary_prefix(path), suffix=".tmp")
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        raise CheckpointError(f"cannot write {path}: {e.strerror.lower()} (it needs about "
+                              f"{nbytes / 1e6:.1f} MB)") from None
+    finally:
+        os.close(fd)
+        os.unlink(tmp)

@@ -79,7 +79,7 @@ def run(script, train, dataset, outputs=None):
                           {option: [path] for option, path in outputs.items()})
         if clash:
             raise DatasetError(clash)
-        with records.hold(outputs.get("--save")):
+        with records.hold(*outputs.values()):
             train()
     except (DatasetError, records.CheckpointError) as e:
         print(f"{script}: error: {e}", file=sys.stderr)

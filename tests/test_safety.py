@@ -66,7 +66,7 @@ def test_a_second_run_on_a_held_checkpoint_is_refused_and_touches_nothing(tmp_pa
                                                                           no_leftovers):
     ckpt = tmp_path / "m.npz"
     live = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000)
-    writing = tmp_path / ".m.npz.live-run.tmp"  # as the live run's write in progress
+    writing = tmp_path / f".m.npz.{live.pid}.halfdone.tmp"  # the live run's write in progress
     writing.write_bytes(b"half a checkpoint")
     for name in ("dual_mlp.py", "mlp.py"):
         out = script(name, *(["cpu", "cpu"] if name == "dual_mlp.py" else []), "--epochs", 1,
@@ -340,3 +340,83 @@ def test_a_hangup_or_user_signal_stops_the_run_in_one_line_and_frees_its_checkpo
         f"interrupted ({signal.Signals(signum).name}); last checkpoint kept in {ckpt}"]
     assert not (tmp_path / ".m.npz.lock").exists()
     assert records.load_checkpoint(str(ckpt), SHAPES, records.TRAINING_STATE)[2]["epoch"] >= 1
+
+
+def test_what_sits_where_a_lock_goes_is_never_truncated_or_deleted(tmp_path):
+    """A symlink or a user's file named as the lock, or an output named as
+    the lock of another: one line each, and every file left as it was."""
+    data, ckpt, lock = tmp_path / "data.bin", tmp_path / "m.npz", tmp_path / ".m.npz.lock"
+    data.write_bytes(b"precious" * 100)
+    lock.symlink_to(data)
+    out = dual("cpu", "cpu", "--epochs", 1, "--save", ckpt, timeout=60)
+    one_line(out, 2, f"{lock}, where {ckpt}'s lock goes, cannot be used")
+    assert data.read_bytes() == b"precious" * 100 and lock.is_symlink()
+    lock.unlink()
+    lock.write_bytes(b"a user's notes")
+    out = script("mlp.py", "--epochs", 1, "--save", ckpt, timeout=60)
+    one_line(out, 2, f"{lock} exists and is not a lock this demo made")
+    assert lock.read_bytes() == b"a user's notes"
+    lock.unlink()
+    out = dual("cpu", "cpu", "--epochs", 1, "--save", ckpt, "--json", lock, timeout=60)
+    one_line(out, 2, f"{lock} is the lock file of {ckpt}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.bin"]
+
+
+def test_no_run_removes_a_temporary_it_did_not_make(tmp_path):
+    """Only a dead run's temporaries of the same name go: a live process's,
+    named for a longer name (m.npz beside m), and a user's look-alike stay."""
+    keep = [tmp_path / f".m.npz.{os.getpid()}.abcdefgh.tmp", tmp_path / ".m.npz.notes.tmp"]
+    for path in keep:
+        path.write_bytes(b"keep")
+    for save in ("m", "m.npz"):
+        out = script("mlp.py", "--epochs", 1, "--save", tmp_path / save, timeout=120)
+        assert out.returncode == 0, out.stderr
+    assert all(path.read_bytes() == b"keep" for path in keep)
+
+
+def test_a_summary_may_not_overwrite_a_live_runs_checkpoint(tmp_path, no_leftovers):
+    ckpt = tmp_path / "m.npz"
+    live = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000)
+    for name in ("dual_mlp.py", "mlp.py"):
+        out = script(name, *(["cpu", "cpu"] if name == "dual_mlp.py" else []), "--epochs", 1,
+                     "--json", ckpt, timeout=60)
+        one_line(out, 2, f"{ckpt} is being written by another run (pid {live.pid})")
+    live.send_signal(signal.SIGINT)
+    assert finish(live, timeout=10)[0] == 130
+    assert records.load_checkpoint(ckpt, SHAPES, records.TRAINING_STATE)[2]["epoch"] >= 1
+
+
+@pytest.mark.parametrize("name", ["dual_mlp.py", "mlp.py"])
+def test_a_name_too_long_for_its_temporary_is_refused_before_anything_runs(tmp_path, name):
+    out = script(name, *(["cpu", "cpu"] if name == "dual_mlp.py" else []), "--epochs", 1,
+                 "--save", tmp_path / ("c" * 245), timeout=60)
+    one_line(out, 2, "the name is too long: at most")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                    reason="needs root and unshare, to give a run a small disk of its own")
+def test_a_full_disk_is_found_before_training_and_no_checkpoint_at_all_is_a_failure(tmp_path):
+    """A disk without room for one checkpoint: refused at once.  A disk that
+    fills once training has begun: every epoch warns, and the run, which
+    could write no checkpoint, exits 1 saying so."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    run = f"{sys.executable} {ROOT / 'dual_mlp.py'} cpu cpu --save {disk}/m.npz"
+    fill = f"dd if=/dev/zero of={disk}/fill bs=64k 2>/dev/null"
+    for size, then in (("2m", f"{run} --epochs 1"),
+                       ("4m", f"{{ {run} --epochs 2 --batch-size 20; echo exit=$?; }} | while "
+                              "IFS= read -r line; do echo \"$line\"; case \"$line\" in "
+                              f"'... training'*) {fill};; esac; done")):
+        out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                              f"mount -t tmpfs -o size={size} tmpfs {disk} && {then}"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, DUAL_MLP_TESTS=TOKEN))
+        if "mount" in out.stderr and out.returncode:
+            pytest.skip(f"no mount namespace here: {out.stderr.strip()}")
+        if size == "2m":
+            one_line(out, 2, f"cannot write {disk}/m.npz: no space left on device")
+            continue
+        assert "exit=1" in out.stdout, (out.stdout, out.stderr)
+        assert out.stderr.count("could not write") == 2, out.stderr
+        assert f"no checkpoint could be written to {disk}/m.npz" in out.stderr
