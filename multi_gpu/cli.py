@@ -12,6 +12,7 @@ a word.)
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import argparse
 import contextlib
+import gc
 import math
 import os
 import signal
@@ -156,7 +157,9 @@ def install_stop_handler(handler):
 def heartbeat(what, say=print, every=10.0):
     """Say ``what`` now, and how long it has been taking every ``every``
     seconds until the block ends: a first compile can take a minute, and
-    silence that long looks like a hang."""
+    silence that long looks like a hang.  Python's cycle collector waits
+    meanwhile: a compile makes hundreds of thousands of graph objects, most
+    of them kept, and the collector's passes over them cost a tenth of it."""
     say(f"... {what}")
     start, done = time.perf_counter(), threading.Event()
 
@@ -165,9 +168,13 @@ def heartbeat(what, say=print, every=10.0):
             say(f"... still {what.split(' (')[0]}: {time.perf_counter() - start:.0f} s")
     thread = threading.Thread(target=beat, daemon=True)
     thread.start()
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
+        if collecting:
+            gc.enable()
         done.set()
         thread.join()
 
