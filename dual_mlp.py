@@ -404,8 +404,8 @@ def worker(args, rank, world, dev, rundir, watchdog):
                               args.l2, args.seed, mode=device.mode)
             progress = records.Progress(model.get_params())
             if args.resume:
-                current, progress = records.Progress.resume(args.resume, Layout.of(model.params)
-                                                            .shapes)
+                current, progress = records.Progress.resume(args.resume_copy,  # as checked
+                                                            Layout.of(model.params).shapes)
                 model.set_params(current)
             for p in model.params:
                 place(p, device.put(storage(p)))
@@ -432,7 +432,7 @@ def worker(args, rank, world, dev, rundir, watchdog):
             if rank != 0:
                 continue
             trainer.to_model()
-            report.check_finite(model.get_params(), epoch, args.learning_rate)
+            report.check_finite(model.get_params(), epoch, args)
             progress.validated(epoch, float(model.validate_model()), model.test_model,
                                model.get_params)
             minibatches = cli.counted(world * n_steps, "minibatch", "minibatches")
@@ -554,7 +554,7 @@ def parse_args(argv=None):
                         "the host queues a call, not a step, and a small step is not bound by "
                         "the host (default: " + str(STEPS_PER_CALL) + ", at most an epoch); the "
                         "host-ordered loop takes one step per call")
-    p.add_argument("--timeout", type=cli.positive, default=TIMEOUT,
+    p.add_argument("--timeout", type=cli.seconds, default=TIMEOUT,
                    help="seconds a worker waits for the others (to meet, or to finish a "
                         "step) before it reports them stalled (default: %(default)s)")
     p.add_argument("--nodes", type=cli.positive_int, default=1,

@@ -63,6 +63,7 @@ def _number(kind, test, wanted):
 positive_int = _number(int, lambda v: v > 0, "a positive integer")
 seed = _number(int, lambda v: 0 <= v < 2 ** 32, "an integer from 0 to 2**32 - 1")
 positive = _number(float, lambda v: v > 0, "a positive, finite number")
+seconds = _number(float, lambda v: 0 < v <= 1e6, "a number of seconds above 0, at most 1e6")
 non_negative = _number(float, lambda v: v >= 0, "a finite number >= 0")
 
 

@@ -130,6 +130,9 @@ def check_split(path, name, x, y):
         raise DatasetError(f"{path}: {name} images are {x.dtype}, not numbers")
     if x.dtype.kind == "f" and not np.isfinite(x).all():
         raise DatasetError(f"{path}: {name} images hold NaN or infinite values")
+    if x.dtype.kind == "f" and np.abs(x).max() > np.finfo(np.float32).max:
+        raise DatasetError(f"{path}: {name} images hold values beyond float32's range (up to "
+                           f"{np.abs(x).max():.3g}): the demo trains in float32")
     if len(x) != len(y):
         raise DatasetError(f"{path}: {name} set has {len(x)} images but {len(y)} labels")
     if y.dtype.kind not in "iu":

@@ -35,6 +35,8 @@ THEANO_ONLY = ("init_gpu_device", "contexts", "force_device", "print_active_devi
                "gpuarray__", "dnn__", "lib__cnmem", "nvcc__", "cuda__", "pycuda__",
                "enable_initial_driver_test")
 MODES = {"DEBUG_MODE": "DebugMode", "PROFILE_MODE": "FAST_RUN"}
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                    "NUMBA_NUM_THREADS")
 
 
 FLOATX = ("float32", "float64")  # what the demo's models are written for
@@ -101,6 +103,12 @@ def apply(environ=os.environ):
     script = os.path.basename(sys.argv[0]) or "python"
     given = {"THEANO_FLAGS": environ.pop("THEANO_FLAGS", ""),
              "PYTENSOR_FLAGS": environ.get("PYTENSOR_FLAGS", "")}
+    threads = next((f"{v}={environ[v]}" for v in THREAD_VARIABLES
+                    if not re.fullmatch(r"[1-9]\d{0,4}", environ.get(v, "1").strip())), None)
+    if threads:  # PyTensor, NumPy's BLAS and XLA would each fail on it in their own way
+        print(f"{script}: error: {threads}: not a number of threads (a positive integer): "
+              "set it to one, or unset it", file=sys.stderr)
+        sys.exit(2)
     try:
         pytensor_flags, warnings, DEVICE = to_pytensor(*given.values())
         DEVICE_ASKED = parse(given["THEANO_FLAGS"]).get("device")
@@ -139,6 +147,21 @@ def apply(environ=os.environ):
         print(f"warning: {warning}", file=sys.stderr)
 
 
+def keep_a_stdout():
+    """Started with stdout closed (``>&-``), the run goes on, its words
+    unread: /dev/null takes descriptor 1 before any file PyTensor opens
+    does, and the workers inherit it."""
+    try:
+        os.fstat(1)
+    except OSError:
+        devnull = os.open(os.devnull, os.O_WRONLY)  # the lowest free descriptor: 1
+        if devnull != 1:
+            os.dup2(devnull, 1)
+            os.close(devnull)
+        os.set_inheritable(1, True)  # os.open's are not
+
+
+keep_a_stdout()
 # Too late once PyTensor is imported (e.g. by a notebook): its flags are read.
 if "pytensor" not in sys.modules:
     apply()

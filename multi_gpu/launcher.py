@@ -32,7 +32,7 @@ import pytensor
 
 from multi_gpu import cli, datasets, records
 from multi_gpu.trainer import steps_per_epoch
-from multi_gpu.worker import fault_point, request_stop, stopping
+from multi_gpu.worker import fault_point, fault_spec_problem, request_stop, stopping
 
 
 class UsageError(Exception):
@@ -184,6 +184,8 @@ def check_nodes(args):
 # node of a run must be given the same (with the data set's fingerprint)
 TRAINED_WITH = ("batch_size", "learning_rate", "n_hidden", "l1", "l2", "average_every", "workers",
                 "dataset")
+CONFIG_KINDS = dict(batch_size=int, learning_rate=(int, float), n_hidden=int, l1=(int, float),
+                    l2=(int, float), average_every=int, workers=int, dataset=str)
 RUN_OPTIONS = TRAINED_WITH + ("epochs", "seed", "exchange", "sync", "avg", "steps_per_call",
                               "nodes", "local_workers", "resume_epoch")
 
@@ -204,9 +206,11 @@ def check_resume(args, shapes):
     """The checkpoint fits the model's parameter ``shapes``, is not finished,
     and was trained as this run asks (the learning rate may change, with a
     notice); returns a notice."""
-    if os.path.exists(args.resume):  # before it is opened: a FIFO would block for ever
-        datasets.regular_file(args.resume)
-    _, _, state = records.load_checkpoint(args.resume, shapes, records.TRAINING_STATE)
+    # read once (a FIFO refused before it is opened), checked, and handed to the
+    # workers as that one version (``launch``), whatever writes the file meanwhile
+    args.checked_resume = records.read_checkpoint(args.resume, shapes)
+    _, _, state = records.load_checkpoint(args.resume, shapes, records.TRAINING_STATE,
+                                          raw=args.checked_resume)
     if state["epoch"] >= args.epochs:
         raise UsageError(f"{args.resume} is already at epoch {state['epoch']}: "
                          f"ask for more --epochs")
@@ -214,6 +218,12 @@ def check_resume(args, shapes):
     saved = state.get("config")
     if saved is not None:
         saved.setdefault("average_every", 1)  # checkpoints from before --average-every
+        odd = [k for k in TRAINED_WITH if not isinstance(saved.get(k), CONFIG_KINDS[k])
+               or isinstance(saved.get(k), bool)] + sorted(set(saved) - set(TRAINED_WITH))
+        if odd:
+            raise records.CheckpointError(
+                f"{args.resume}: its config has {odd[0]} = {saved.get(odd[0])!r}, not one this "
+                "demo writes: not a checkpoint of dual_mlp.py")
     if saved is None:
         return (f"notice: {args.resume} does not record how it was trained (an older "
                 "checkpoint): resuming with the options given")
@@ -259,6 +269,7 @@ class Lobby:
     def __init__(self, coordinator, options, nodes):
         import zmq
         self.address, self.options, self.joined = lobby_address(coordinator), options, {0}
+        self.nodes = nodes
         check_port(self.address)
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.REP)
@@ -272,21 +283,27 @@ class Lobby:
         while self.open:
             if not self.socket.poll(100):
                 continue
+            message = self.socket.recv()
             try:
-                visitor = json.loads(self.socket.recv())
-                rank, options = int(visitor["node_rank"]), dict(visitor["options"])
-            except (ValueError, KeyError, TypeError):
-                self.socket.send_json({"why": "not a dual_mlp.py node"})
-                continue
-            why = differences(self.options, options, RUN_OPTIONS)
-            if why:
-                why = f"node 0 runs other options: {why}"
-            elif rank in self.joined:
-                why = (f"node {rank} of the run at {self.address} has joined already: is "
-                       "another run using this --coordinator?")
-            else:
-                self.joined.add(rank)
+                why = self.judge(message)
+            except Exception:  # whatever a stranger sends is answered, and the door stays open
+                why = "not a dual_mlp.py node"
             self.socket.send_json({"why": why})
+
+    def judge(self, message):
+        """Why a visitor may not join (None: it has joined)."""
+        visitor = json.loads(message)
+        rank, options = visitor["node_rank"], dict(visitor["options"])
+        if type(rank) is not int or not 0 < rank < self.nodes:
+            return f"node rank {str(rank)[:20]} is not one of 1..{self.nodes - 1}"
+        why = differences(self.options, options, RUN_OPTIONS)
+        if why:
+            return f"node 0 runs other options: {why}"
+        if rank in self.joined:
+            return (f"node {rank} of the run at {self.address} has joined already: is another "
+                    "run using this --coordinator?")
+        self.joined.add(rank)
+        return None
 
     def __enter__(self):
         return self
@@ -361,6 +378,8 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
     on the shipped digits (too few for two minibatches of the default),
     ``steps_per_call`` the default of the device-ordered exchanges."""
     notices = []
+    if fault_spec_problem():
+        raise UsageError(fault_spec_problem())
     if flags.DEVICE:
         notices.append(f"warning: THEANO_FLAGS: 'device={flags.DEVICE_ASKED}' is ignored: "
                        "dual_mlp.py takes its devices as arguments (dual_mlp.py 0 1)")
@@ -387,6 +406,7 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
                          f"{n_train} images, and each of the {world} workers needs a minibatch")
     notices += check_steps_per_call(args, steps_per_epoch(n_train // args.batch_size, world),
                                     steps_per_call)
+    check_memory(args, shapes, splits)
     args.trained_with = dict({k: getattr(args, k) for k in TRAINED_WITH[:-2]}, workers=world,
                              dataset=datasets.fingerprint(splits))
     args.resume_epoch = 0
@@ -400,6 +420,27 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
     elif args.exchange == "xla" and args.node_rank == 0:
         check_port(args.coordinator)
     return [n for n in notices if n]
+
+
+def check_memory(args, shapes, splits):
+    """Refuse a model this machine's memory cannot hold, before any worker
+    builds it: each worker keeps its replica about 8 times over (weights,
+    gradients, updated weights, best weights, the exchange's buffers,
+    its checkpoint's copies) beside the data set as float32."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) << 10 for line in f
+                             if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return  # not Linux's: nothing to go by
+    per_worker = 8 * 4 * sum(math.prod(s) for s in shapes) + \
+        4 * sum(x.size for x, _ in splits)
+    needed = len(args.devices) * per_worker
+    if needed > available:
+        raise UsageError(f"the model with --n-hidden {args.n_hidden} needs about "
+                         f"{per_worker / 2**30:.1f} GiB a worker, {needed / 2**30:.1f} GiB for "
+                         f"{len(args.devices)}; this machine has {available / 2**30:.1f} GiB "
+                         "available: a smaller --n-hidden, or fewer workers")
 
 
 def worker_environment(dev, n_local, one_machine=True):
@@ -528,9 +569,18 @@ def launch(args, script, rundir):
         os.mkdir(rundir, 0o700)  # fails if anything is there: the name is this run's alone
         fault_point("launcher", "folder")
         request = os.path.join(rundir, "config.json")
-        with open(request + ".part", "w") as f:  # whole or not at all: the workers are reading
-            json.dump(vars(args), f)
-        os.replace(request + ".part", request)
+        try:
+            if args.resume:  # the version check_resume checked, in the run's own folder
+                args.resume_copy = os.path.join(rundir, "resume.npz")
+                with open(args.resume_copy, "wb") as f:
+                    f.write(args.checked_resume)
+            with open(request + ".part", "w") as f:  # whole or not at all: the workers read it
+                json.dump({k: v for k, v in vars(args).items() if k != "checked_resume"}, f)
+            os.replace(request + ".part", request)
+        except FileNotFoundError:
+            print(f"error: the run folder {rundir} was removed as the run started (a cleaner "
+                  "of temporary files?)", file=sys.stderr)
+            return 1
         while not stopping.is_set():
             codes = [w.proc.poll() for w in workers]
             if all(code == 0 for code in codes):

@@ -17,6 +17,7 @@ from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's 
 import contextlib
 import datetime
 import fcntl
+import io
 import json
 import os
 import platform
@@ -55,22 +56,70 @@ def save_checkpoint(path, params, best_params, **state):
 def checkpoint_bytes(shapes, itemsize=4):
     """About what a checkpoint of a model of ``shapes`` takes on disk: its
     weights twice (current, best), and room for the rest."""
-    return 2 * itemsize * sum(int(np.prod(s)) for s in shapes) + (1 << 16)
+    return 2 * itemsize * sum(int(np.prod(s)) for s in shapes) + (1 << 14)
 
 
-def load_checkpoint(path, shapes, state=("epoch",)):
-    """Read a checkpoint written by ``save_checkpoint`` for a model whose
-    parameters have ``shapes``, and check all of it: every parameter, its
-    best-validation twin, and the training ``state`` entries named.
-    Returns (params, best_params, state)."""
+def checkpoint_limit(shapes):
+    """The most a checkpoint file may hold for a model of ``shapes``: room for
+    one of another --n-hidden to be told apart by its shapes, never the
+    gigabytes a crafted file could declare."""
+    return 4 * checkpoint_bytes(shapes, itemsize=8) + (64 << 20)
+
+
+def read_checkpoint(path, shapes):
+    """A checkpoint file's bytes, read once, for ``load_checkpoint`` (and the
+    workers) to take that one version whatever writes the file next.  A
+    file too large for a checkpoint of ``shapes`` is refused unread."""
     try:
-        with np.load(path) as f:
+        datasets.regular_file(path)
+    except datasets.DatasetError:
+        if not os.path.lexists(path):
+            raise CheckpointError(f"checkpoint not found: {path}") from None
+        raise CheckpointError(f"{path}: not a regular file") from None
+    limit = checkpoint_limit(shapes)
+    with open(path, "rb") as f:
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise CheckpointError(f"{path}: over {limit / 1e6:.1f} MB, larger than any checkpoint "
+                              "of this model")
+    return raw
+
+
+def members(zipped, name, limit):
+    """Every member of an .npz, checked before NumPy reads one: arrays only
+    (``.npy``), whose declared sizes a checkpoint of this model can hold."""
+    import zipfile
+    try:
+        infos = zipfile.ZipFile(io.BytesIO(zipped)).infolist()
+    except (zipfile.BadZipFile, ValueError, OSError) as e:
+        raise CheckpointError(f"{name}: not a readable checkpoint ({type(e).__name__})") from None
+    odd = [i.filename for i in infos if not i.filename.endswith(".npy")]
+    if odd:
+        raise CheckpointError(f"{name}: holds {odd[0]}, which is not an array: not a "
+                              "checkpoint this demo wrote")
+    if sum(i.file_size for i in infos) > limit:
+        raise CheckpointError(f"{name}: its arrays declare {sum(i.file_size for i in infos):,} "
+                              "bytes, more than any checkpoint of this model")
+
+
+def load_checkpoint(path, shapes, state=("epoch",), raw=None):
+    """Read a checkpoint written by ``save_checkpoint`` for a model whose
+    parameters have ``shapes`` (from its bytes ``raw`` when given, else from
+    ``path``), and check all of it: every parameter, its best-validation
+    twin, the training ``state`` entries named, and nothing else.
+    Returns (params, best_params, state)."""
+    raw = read_checkpoint(path, shapes) if raw is None else raw
+    members(raw, path, checkpoint_limit(shapes))
+    try:
+        with np.load(io.BytesIO(raw)) as f:
             saved = {k: f[k] for k in f.files}
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint not found: {path}") from None
     except Exception as e:
         raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__})") from None
     names = [f"{kind}_{i}" for kind in ("params", "best") for i in range(len(shapes))]
+    unknown = [k for k in saved if k not in names and k not in STATE_TYPES]
+    if unknown:
+        raise CheckpointError(f"{path}: holds {unknown[0]}, which no checkpoint of this demo "
+                              "has")
     missing = [k for k in names + list(state) if k not in saved]
     if missing:
         training = "validation_errors" in state
@@ -97,6 +146,8 @@ def load_checkpoint(path, shapes, state=("epoch",)):
             values["config"] = json.loads(values["config"])
         except ValueError:
             raise CheckpointError(f"{path}: its config is not JSON") from None
+        if not isinstance(values["config"], dict):
+            raise CheckpointError(f"{path}: its config is not a JSON object")
     if "validation_errors" in state and len(values["validation_errors"]) != values["epoch"]:
         raise CheckpointError(f"{path}: {len(values['validation_errors'])} validation errors "
                               f"for {values['epoch']} epochs: not a consistent checkpoint")
@@ -232,8 +283,11 @@ def check_not_a_lock(path, locks):
 def lock(path, lock_path, room):
     fd = take_lock(path, lock_path)
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, LOCK_TAG + str(os.getpid()).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, LOCK_TAG + str(os.getpid()).encode(), 0)
+        except OSError as e:  # a full disk takes an empty file, not its first bytes
+            raise CheckpointError(f"cannot write {path}: {e.strerror.lower()}") from None
         folder, name = os.path.split(path)
         for entry in os.listdir(folder):
             pid = datasets.is_temporary_of(entry, name)

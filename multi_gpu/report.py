@@ -12,15 +12,34 @@ from multi_gpu import cli, devices, records
 
 
 class Diverged(Exception):
-    """The weights are no longer numbers: one line, which says why that happens."""
+    """The training diverged: one line, which names the likely cause."""
 
 
-def check_finite(weights, epoch, learning_rate):
-    """Stop a run whose weights became NaN or infinite, before they are validated or saved."""
-    if not all(np.isfinite(w).all() for w in weights):
-        raise Diverged(f"after epoch {epoch} the weights are no longer finite (NaN or inf): "
-                       f"the training diverged; is --learning-rate {learning_rate:g} too large? "
-                       "The last checkpoint, if any, is the last good one")
+def check_finite(weights, epoch, args):
+    """Stop a run whose training diverged, before its weights are validated
+    or saved: weights NaN or infinite, or a cost that is no longer a number
+    (its penalty terms, ``l1 * sum|W| + l2 * sum W**2`` over the two weight
+    matrices, overflow float32 long before the weights do).  The message
+    names what was large: ``--l2`` (each step scales the weights by
+    ``1 - 2 * rate * l2``), or the learning rate.  (Large input values do
+    not diverge here: they saturate tanh, and the data set's check refuses
+    what float32 cannot hold.)"""
+    matrices = [w for w in weights if w.ndim == 2]
+    with np.errstate(over="ignore", invalid="ignore"):
+        penalty = (np.float32(args.l1) * sum(np.abs(w).sum(dtype=np.float32) for w in matrices)
+                   + np.float32(args.l2) * sum(np.square(w).sum(dtype=np.float32)
+                                               for w in matrices))
+    finite = all(np.isfinite(w).all() for w in weights)
+    if finite and np.isfinite(penalty):
+        return
+    shrink = 1 - 2 * args.learning_rate * args.l2
+    why = (f"--l2 {args.l2:g} is too large for --learning-rate {args.learning_rate:g}: each "
+           f"step scales the weights by 1 - 2 * rate * l2 = {shrink:.3g}"
+           if abs(shrink) > 1 and args.l2 > 1 else
+           f"is --learning-rate {args.learning_rate:g} too large?")
+    raise Diverged(f"after epoch {epoch} {'the cost is' if finite else 'the weights are'} no "
+                   f"longer finite (NaN or inf): the training diverged; {why} The last "
+                   "checkpoint, if any, is the last good one")
 
 
 def compiling(what, mode=None, where="cpu"):

@@ -59,6 +59,20 @@ def stop_point(rank, where):
 
 
 FAULT = os.environ.get("DUAL_MLP_FAULT", "").split(":")  # read once: it is on every step's path
+FAULT_PLACES, FAULT_KINDS = ("start", "train", "exchange", "spawned", "folder"), \
+    ("raise", "oom", "kill", "hint")
+
+
+def fault_spec_problem():
+    """What is wrong with DUAL_MLP_FAULT (the fault tests' hook), or None."""
+    if FAULT == [""]:
+        return None
+    if len(FAULT) != 3 or FAULT[1] not in FAULT_PLACES or FAULT[2] not in FAULT_KINDS or \
+            not (FAULT[0].isdigit() or FAULT[0] == "launcher"):
+        return (f"DUAL_MLP_FAULT={':'.join(FAULT)}: expected RANK:WHERE:HOW (the fault tests' "
+                f"hook), WHERE one of {', '.join(FAULT_PLACES)}, HOW one of "
+                f"{', '.join(FAULT_KINDS)}; unset it to run normally")
+    return None
 
 
 def fault_point(rank, where):
@@ -140,8 +154,9 @@ class Watchdog:
             now = time.monotonic()
             try:
                 os.utime(beat)
-            except OSError:
-                pass  # removed with the run folder
+            except OSError:  # the run folder is gone: ours, on the way out, or someone's doing
+                if not (stopping.is_set() or os.getppid() != self.parent):
+                    folder_vanished(self.rank, self.rundir)
             if os.getppid() != self.parent:
                 quit_now(128 + signal.SIGTERM)  # the launcher is gone
             if stopping.is_set():
@@ -155,6 +170,16 @@ class Watchdog:
                 print(f"worker {self.rank}: error: no step finished within {self.timeout:g} s: "
                       f"{who} (see --timeout)", file=sys.stderr, flush=True)
                 quit_now(1)
+
+
+def folder_vanished(rank, rundir):
+    """The run folder went while the run lives (a temporary-file cleaner,
+    systemd's RemoveIPC): its sockets and buffers with it, so the run
+    cannot go on; say so, rather than wait on a peer that cannot answer."""
+    print(f"worker {rank}: error: the run folder {rundir} was removed while the run was using "
+          "it (a cleaner of temporary files?): the run cannot go on", file=sys.stderr,
+          flush=True)
+    quit_now(1)
 
 
 def heartbeat_path(rundir, rank):
@@ -260,11 +285,15 @@ def release_stdout():
 def the_request(rundir):
     """What the launcher asks (its ``config.json``), once it has left it in
     the run folder; None if the launcher is gone, or asks us to stop, first."""
+    made = False
     while not stopping.is_set() and os.getppid() == LAUNCHER:
         try:
             with open(os.path.join(rundir, "config.json")) as f:
                 return types.SimpleNamespace(**json.load(f))
         except FileNotFoundError:  # not yet: it starts every worker before it writes it
+            if made and not os.path.isdir(rundir):
+                folder_vanished("?", rundir)
+            made = made or os.path.isdir(rundir)
             time.sleep(0.005)
     return None
 

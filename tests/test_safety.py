@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from multi_gpu import datasets, records
+from conftest import splits as conftest_splits
 from conftest import (LAUNCHERS, ROOT, SHAPES, TOKEN, dual, finish, kill_one_worker,
                       leftover_workers, run_directories, script, start_checkpointing,
                       start_dual, start_node, wait_for, wait_until_training, workers_of)
@@ -208,9 +209,9 @@ def test_a_diverging_run_stops_in_one_line_and_keeps_the_last_good_checkpoint(tm
     out = dual("cpu", "cpu", "--epochs", 5, "--resume", ckpt, "--save", ckpt,
                "--learning-rate", 1e6)
     assert "notice: the learning rate changes from 0.13 to 1000000.0 at epoch 3" in out.stdout
-    one_line(out, 1, "the weights are no longer finite (NaN or inf): the training diverged",
+    one_line(out, 1, "no longer finite (NaN or inf): the training diverged",
              "is --learning-rate 1e+06 too large?")
-    diverged = int(re.search(r"after epoch (\d+) the weights", out.stderr).group(1))
+    diverged = int(re.search(r"after epoch (\d+) the", out.stderr).group(1))
     current, _, state = records.load_checkpoint(str(ckpt), SHAPES, records.TRAINING_STATE)
     assert 2 <= state["epoch"] == diverged - 1 and all(np.isfinite(w).all() for w in current)
 
@@ -420,3 +421,127 @@ def test_a_full_disk_is_found_before_training_and_no_checkpoint_at_all_is_a_fail
         assert "exit=1" in out.stdout, (out.stdout, out.stderr)
         assert out.stderr.count("could not write") == 2, out.stderr
         assert f"no checkpoint could be written to {disk}/m.npz" in out.stderr
+
+
+def test_the_lobby_answers_any_message_and_lets_the_real_node_in(no_leftovers):
+    """Messages a stranger could send to node 0's lobby each get an answer;
+    the door stays open, and the run's own node 1 joins after them."""
+    import zmq
+    port = free_port()
+    node0 = start_node(port, 0, "--epochs", 1, "--timeout", 60)
+    context = zmq.Context()
+    try:
+        for message in (b'{"node_rank": 1e999, "options": {}}', b"\xff not json",
+                        b'{"node_rank": "1", "options": []}', b'{"node_rank": 7, "options": {}}',
+                        b"[]", b'{"node_rank": 1, "options": {"epochs": [1e999]}}'):
+            ask = context.socket(zmq.REQ)
+            ask.setsockopt(zmq.LINGER, 0)
+            ask.connect(f"tcp://127.0.0.1:{port + 1}")
+            ask.send(message)
+            assert ask.poll(30000), f"no answer to {message!r}"
+            assert ask.recv_json()["why"], message
+            ask.close()
+    finally:
+        context.term()
+    node1 = start_node(port, 1, "--epochs", 1, "--timeout", 60)
+    for node in (node0, node1):
+        code, _, err = finish(node, timeout=120)
+        assert code == 0, err
+
+
+def test_a_checkpoint_holds_exactly_what_the_demo_writes(tmp_path, no_leftovers):
+    """An extra array, a member that is not an array, a config that is not
+    a JSON object or lacks a field, a zip that declares more than a
+    checkpoint holds: one line each, before any worker starts."""
+    import zipfile
+    good = [np.zeros(s, np.float32) for s in SHAPES]
+    state = dict(epoch=1, best_validation_error=0.1, test_error=0.1, validation_errors=[0.1])
+    config = dict(batch_size=100, learning_rate=0.13, n_hidden=500, l1=0.0, l2=0.0001,
+                  average_every=1, workers=2, dataset="x")
+    path = tmp_path / "odd.npz"
+
+    def save(**more):
+        records.save_checkpoint(str(path), good, good, **{**state, "config": config, **more})
+
+    def with_member(name, data):
+        save()
+        with zipfile.ZipFile(path, "a") as z:
+            z.writestr(name, data, compress_type=zipfile.ZIP_DEFLATED)
+
+    def lacking(key):
+        save(config={k: v for k, v in config.items() if k != key})
+
+    cases = [(lambda: save(extra=np.zeros(10)), "holds extra, which no checkpoint of this demo has"),
+             (lambda: with_member("notes.txt", "hi"), "holds notes.txt, which is not an array"),
+             (lambda: with_member("big.npy", b"\0" * (256 << 20)),
+              "more than any checkpoint of this model"),
+             (lambda: save(config=[1, 2]), "its config is not a JSON object"),
+             (lambda: lacking("learning_rate"), "its config has learning_rate = None"),
+             (lambda: save(config=dict(config, n_hidden="500")), "its config has n_hidden = '500'")]
+    for write, words in cases:
+        write()
+        one_line(dual("cpu", "cpu", "--epochs", 3, "--resume", path, timeout=60), 2, words)
+
+
+THREADS = "not a number of threads (a positive integer): set it to one, or unset it"
+
+
+@pytest.mark.parametrize("name,env,args,why", [
+    ("dual_mlp.py", {"OMP_NUM_THREADS": "abc"}, (), f"OMP_NUM_THREADS=abc: {THREADS}"),
+    ("mlp.py", {"OMP_NUM_THREADS": "abc"}, (), f"OMP_NUM_THREADS=abc: {THREADS}"),
+    ("mlp.py", {"NUMBA_NUM_THREADS": "0"}, (), f"NUMBA_NUM_THREADS=0: {THREADS}"),
+    ("dual_mlp.py", {"DUAL_MLP_FAULT": "0:train"}, ("cpu", "cpu"),
+     "DUAL_MLP_FAULT=0:train: expected RANK:WHERE:HOW (the fault tests' hook)"),
+    ("dual_mlp.py", {}, ("cpu", "cpu", "--exchange", "xla", "--timeout", "1e10"),
+     "argument --timeout: must be a number of seconds above 0, at most 1e6, got 1e10")])
+def test_a_variable_or_a_timeout_nothing_can_take_is_one_line(name, env, args, why):
+    out = script(name, *args, "--epochs", 1, env=env, timeout=60)
+    one_line(out, 2, f"{name}: error: {why}")
+
+
+@pytest.mark.parametrize("name", ["dual_mlp.py", "mlp.py"])
+def test_a_closed_stdout_ends_quietly(name, tmp_path):
+    """Started with its standard output closed (``>&-``), a run trains and
+    writes its files, with nothing on its error output."""
+    run = (f"exec {sys.executable} {ROOT / name} {'cpu cpu' if name == 'dual_mlp.py' else ''} "
+           f"--epochs 1 --json {tmp_path / 'run.json'} >&-")
+    out = subprocess.run(["sh", "-c", run], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, DUAL_MLP_TESTS=TOKEN))
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert (tmp_path / "run.json").exists()
+
+
+def test_divergence_is_caught_by_its_cost_and_names_what_was_large(tmp_path, no_leftovers):
+    """Weights that grow huge but finite make the cost infinite: the run stops
+    there, and the message names --l2 or the learning rate, whichever was
+    large.  Pixels beyond float32's range are refused at once."""
+    import gzip
+    import pickle
+    (tx, ty), valid, test = [(x.astype(np.float64), y) for x, y in conftest_splits()]
+    path = tmp_path / "scaled.pkl.gz"
+    path.write_bytes(gzip.compress(pickle.dumps(((tx * 1e300, ty), valid, test))))
+    out = dual("cpu", "cpu", "--epochs", 3, "--batch-size", 10, "--dataset", path)
+    one_line(out, 2, "train images hold values beyond float32's range (up to")
+    for args, words in ((("--learning-rate", 1e6, "--batch-size", 500),
+                         "the cost is no longer finite (NaN or inf): the training "
+                         "diverged; is --learning-rate 1e+06 too large?"),
+                        (("--l2", 1e30), "--l2 1e+30 is too large for --learning-rate 0.13: each "
+                                         "step scales the weights by 1 - 2 * rate * l2")):
+        one_line(dual("cpu", "cpu", "--epochs", 3, *args), 1, words)
+
+
+def test_a_model_too_big_for_memory_is_refused_before_it_is_built():
+    out = dual("cpu", "cpu", "--n-hidden", 2000000, "--epochs", 1, timeout=60)
+    one_line(out, 2, "the model with --n-hidden 2000000 needs about", "GiB available")
+
+
+def test_a_run_whose_folder_vanishes_stops_in_one_line(no_leftovers):
+    """A cleaner of temporary files takes the run folder mid-run: the workers
+    notice within a heartbeat, and the run ends in one line, not a hang."""
+    proc = start_dual("cpu", "cpu", "--epochs", 100000, "--timeout", 600)
+    wait_until_training(proc)
+    (folder,) = [d for d in run_directories() if f"-{proc.pid}-" in d.name]
+    shutil.rmtree(folder)
+    code, seconds, err = finish(proc, timeout=30)
+    assert code == 1 and seconds < 10, err
+    assert len(err.strip().splitlines()) == 1 and "was removed while the run was using it" in err
