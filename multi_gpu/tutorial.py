@@ -19,6 +19,7 @@ from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags
 import importlib.metadata
 import os
 import sys
+import tempfile
 
 from multi_gpu import cli, datasets, records
 from multi_gpu.cli import (backend_name, heartbeat, non_negative, positive,  # noqa: F401
@@ -79,7 +80,8 @@ def run(script, train, dataset, outputs=None):
                           {option: [path] for option, path in outputs.items()})
         if clash:
             raise DatasetError(clash)
-        with records.hold(*outputs.values()):
+        with records.hold(*outputs.values()), tempfile.TemporaryDirectory() as sources:
+            tempfile.tempdir = sources  # PyTensor's compiled graphs' sources, which it leaves
             train()
     except (DatasetError, records.CheckpointError) as e:
         print(f"{script}: error: {e}", file=sys.stderr)

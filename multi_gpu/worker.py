@@ -17,6 +17,7 @@ import select
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -315,6 +316,10 @@ def run_worker(work, index, rundir, launcher_pid, one_line_errors):
     if args is None:  # the launcher went (or stopped us) before its request came
         return quit_now(128 + signal.SIGTERM)
     rank, world = args.node_rank * len(args.devices) + index, args.nodes * len(args.devices)
+    # PyTensor writes every compiled graph's Python source to a temporary file
+    # it never removes: this worker's go into the run folder, which goes with the run
+    tempfile.tempdir = os.path.join(rundir, f"tmp-{index}")
+    os.mkdir(tempfile.tempdir)
     keep_stdout_clean(rank, rundir)
     watchdog = Watchdog(rank, world, rundir, LAUNCHER, args.timeout)
     code = 0

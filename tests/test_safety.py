@@ -545,3 +545,17 @@ def test_a_run_whose_folder_vanishes_stops_in_one_line(no_leftovers):
     code, seconds, err = finish(proc, timeout=30)
     assert code == 1 and seconds < 10, err
     assert len(err.strip().splitlines()) == 1 and "was removed while the run was using it" in err
+
+
+@pytest.mark.parametrize("name,backend", [("dual_mlp.py", None), ("mlp.py", None),
+                                          ("mlp.py", "mode=NUMBA")])
+def test_a_run_leaves_nothing_in_the_temporary_folder(tmp_path, name, backend):
+    """PyTensor writes each compiled graph's source to a temporary file it
+    never removes (about 40 a run): they go into the run's own folder."""
+    private = tmp_path / "tmp"
+    private.mkdir()
+    env = dict(TMPDIR=str(private), **({"THEANO_FLAGS": backend} if backend else {}))
+    out = script(name, *(["cpu", "cpu"] if name == "dual_mlp.py" else []), "--epochs", 1,
+                 env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in private.iterdir()) == []
