@@ -531,6 +531,9 @@ def stop(workers, grace=2.0):
             w.proc.wait()
 
 
+SOCKET_PATH_MAX = 107  # an ipc:// socket's path, in bytes (Linux's sun_path, less its NUL)
+
+
 def run_folder(args, shapes):
     """Where the run's private folder for its sockets, buffers and heartbeats
     will be (``launch`` makes it): in shared memory where it has room for
@@ -545,10 +548,21 @@ def run_folder(args, shapes):
                   f"needs {needed >> 20} MB there: its buffers go to a folder on disk")
         shm = None
     folder = shm or tempfile.gettempdir()
+    name = f"dual_mlp-{os.getpid()}-{secrets.token_hex(8)}"
+    n = len(args.devices)
+    socket = os.path.join(folder, name, f"peer-{n - 2}-{n - 1}.sock")  # the longest path
+    if len(socket.encode()) > SOCKET_PATH_MAX:
+        if folder == "/tmp" or not os.access("/tmp", os.W_OK):
+            raise UsageError(f"{folder} is too deep a folder for the run's sockets (a path of "
+                             f"{len(socket.encode())} bytes; Linux takes {SOCKET_PATH_MAX}): "
+                             "set TMPDIR to a shorter one")
+        notice = (f"notice: {folder} is too deep a folder for the run's sockets: its "
+                  "buffers and sockets go to /tmp")
+        folder = "/tmp"
     if shutil.disk_usage(folder).free < needed:
         raise UsageError(f"{folder} has {shutil.disk_usage(folder).free >> 20} MB free, the "
                          f"run needs {needed >> 20} MB for its buffers")
-    return os.path.join(folder, f"dual_mlp-{os.getpid()}-{secrets.token_hex(8)}"), notice
+    return os.path.join(folder, name), notice
 
 
 def launch(args, script, rundir):

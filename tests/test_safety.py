@@ -559,3 +559,20 @@ def test_a_run_leaves_nothing_in_the_temporary_folder(tmp_path, name, backend):
                  env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert sorted(p.name for p in private.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                    reason="needs root and unshare, to give a run a full /dev/shm of its own")
+def test_a_deep_tmpdir_with_a_full_dev_shm_moves_the_sockets_to_tmp(tmp_path, no_leftovers):
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    run = (f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} "
+           f"{ROOT / 'dual_mlp.py'} cpu cpu --epochs 1")
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", run],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, DUAL_MLP_TESTS=TOKEN, TMPDIR=str(deep)))
+    if "mount" in out.stderr and out.returncode:
+        pytest.skip(f"no mount namespace here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr
+    assert f"notice: {deep} is too deep a folder for the run's sockets" in out.stdout
+    assert not list(deep.iterdir())
