@@ -143,7 +143,11 @@ def clash(inputs, outputs, allowed=()):
     return None
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+# every signal whose default ends a process and that a handler may take: each ends
+# a run as Ctrl-C does (workers stopped, lock released, one line), none silently
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                signal.SIGUSR2, signal.SIGALRM, signal.SIGVTALRM, signal.SIGPROF,
+                signal.SIGXCPU)
 
 
 def install_stop_handler(handler):

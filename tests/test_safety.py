@@ -306,6 +306,20 @@ def test_an_output_that_is_not_a_regular_file_is_refused_and_left_as_it_is(tmp_p
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to make a device node of its own")
+@pytest.mark.parametrize("option", ["--json", "--save"])
+def test_a_device_node_as_an_output_is_refused_and_stays_a_device(tmp_path, option):
+    """A node of /dev/null's own device (1, 3), made in the test's folder:
+    the machine's /dev/null is never at stake."""
+    node = tmp_path / "null"
+    os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    for name in ("dual_mlp.py", "mlp.py"):
+        out = script(name, *(["cpu", "cpu"] if name == "dual_mlp.py" else []), "--epochs", 1,
+                     option, node, timeout=60)
+        one_line(out, 2, f"{node} is not a regular file (a device, FIFO or socket)")
+        assert stat.S_ISCHR(os.stat(node).st_mode)
+
+
 def test_a_fifo_as_resume_is_refused_before_it_is_opened(tmp_path):
     fifo = tmp_path / "ck.npz"
     os.mkfifo(fifo)
@@ -327,7 +341,8 @@ def test_an_empty_dataset_or_a_seed_numpy_cannot_take_is_one_line(name, args, wh
     assert out.stderr.strip().splitlines() == [f"{name}: error: {why} (see --help)"]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1])
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT,
+                                    signal.SIGALRM])
 def test_a_hangup_or_user_signal_stops_the_run_in_one_line_and_frees_its_checkpoint(
         tmp_path, no_leftovers, signum):
     """A closed terminal's SIGHUP (or a SIGUSR1) ended the launcher silently,
