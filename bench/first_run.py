@@ -1,7 +1,7 @@
-"""The Quick start's first run: ``python dual_mlp.py`` cold, warm, and its step speed, per CPU backend.
+"""The Quick start's first run, cold and warm, and its step speed, per CPU backend.
 
-    python -m bench.first_run                                     # writes bench/results/first_run_cpu.json
-    python -m bench.first_run --out bench/results/first_run_cpu   # a result to commit
+    python -m bench.first_run                                    # bench/results/first_run_cpu.json
+    python -m bench.first_run --out bench/results/first_run_cpu  # a result to commit
 
 A newcomer's first ``python dual_mlp.py`` is mostly a compile.  For each of
 PyTensor's two CPU backends, the default (JAX: XLA compiles the graph) and
@@ -31,7 +31,8 @@ import time
 
 from bench.common import RESULTS, ROOT, parse_args, record
 
-BACKENDS = {"JAX (the default)": {}, "Numba (THEANO_FLAGS=mode=NUMBA)": {"THEANO_FLAGS": "mode=NUMBA"}}
+BACKENDS = {"JAX (the default)": {},
+            "Numba (THEANO_FLAGS=mode=NUMBA)": {"THEANO_FLAGS": "mode=NUMBA"}}
 
 
 def private_folders(tmp, name):

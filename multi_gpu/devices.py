@@ -16,7 +16,7 @@ A PyTensor shared variable holds its array in ``container.storage[0]``.
 back to NumPy, so that data and weights stay on the device: a shared
 variable holding a NumPy array is sent to the GPU again at every call.
 """
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags
 import contextlib
 import os
 import platform
@@ -41,15 +41,14 @@ def place(shared, value):
 CPU_DEFAULT_MODES = (None, "FAST_RUN", "JAX")
 
 
-def cpu_backend(mode=None):
+def cpu_backend():
     """The backend a CPU worker compiles with: PyTensor's JAX backend, unless
     the flags name another mode (``THEANO_FLAGS=mode=NUMBA``, ``DebugMode``,
     ...).  JAX by default because a newcomer's first run is a compile: XLA
     builds the model in seconds where Numba takes half a minute, keeps its
     programs for the next run (``keep_compiled_programs``), and steps about
     as fast (bench/first_run.py measures all three)."""
-    from multi_gpu import flags
-    return "JAX" if (flags.MODE if mode is None else mode) in CPU_DEFAULT_MODES else "flags"
+    return "JAX" if flags.MODE in CPU_DEFAULT_MODES else "flags"
 
 
 def open_device(dev, jax_on_cpu=False):

@@ -182,10 +182,10 @@ def check_nodes(args):
 
 # the options that shape the training: a checkpoint records them, and every
 # node of a run must be given the same (with the data set's fingerprint)
-TRAINED_WITH = ("batch_size", "learning_rate", "n_hidden", "l1", "l2", "average_every", "workers",
-                "dataset")
+# (what a checkpoint's config holds of each, in this order)
 CONFIG_KINDS = dict(batch_size=int, learning_rate=(int, float), n_hidden=int, l1=(int, float),
                     l2=(int, float), average_every=int, workers=int, dataset=str)
+TRAINED_WITH = tuple(CONFIG_KINDS)
 RUN_OPTIONS = TRAINED_WITH + ("epochs", "seed", "exchange", "sync", "avg", "steps_per_call",
                               "nodes", "local_workers", "resume_epoch")
 
@@ -378,8 +378,9 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
     on the shipped digits (too few for two minibatches of the default),
     ``steps_per_call`` the default of the device-ordered exchanges."""
     notices = []
-    if fault_spec_problem():
-        raise UsageError(fault_spec_problem())
+    fault = fault_spec_problem()
+    if fault:
+        raise UsageError(fault)
     if flags.DEVICE:
         notices.append(f"warning: THEANO_FLAGS: 'device={flags.DEVICE_ASKED}' is ignored: "
                        "dual_mlp.py takes its devices as arguments (dual_mlp.py 0 1)")
@@ -450,8 +451,7 @@ def worker_environment(dev, n_local, one_machine=True):
     if dev == "cpu":
         # the workers share the cores: each gets its part, or they fight over all of them
         threads = str(max(1, (os.cpu_count() or 2) // n_local))
-        env.update(JAX_PLATFORMS="cpu", OMP_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads,
-                   MKL_NUM_THREADS=threads, NUMBA_NUM_THREADS=threads)
+        env.update(dict.fromkeys(flags.THREAD_VARIABLES, threads), JAX_PLATFORMS="cpu")
         if threads == "1":  # a core each: XLA would split every op over all of them
             env["XLA_FLAGS"] = " ".join(filter(None, (env.get("XLA_FLAGS"),
                                                       "--xla_cpu_multi_thread_eigen=false")))

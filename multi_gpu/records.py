@@ -19,11 +19,13 @@ import datetime
 import fcntl
 import io
 import json
+import math
 import os
 import platform
 import stat
 import sys
 import tempfile
+import zipfile
 
 import numpy as np
 
@@ -56,7 +58,7 @@ def save_checkpoint(path, params, best_params, **state):
 def checkpoint_bytes(shapes, itemsize=4):
     """About what a checkpoint of a model of ``shapes`` takes on disk: its
     weights twice (current, best), and room for the rest."""
-    return 2 * itemsize * sum(int(np.prod(s)) for s in shapes) + (1 << 14)
+    return 2 * itemsize * sum(math.prod(s) for s in shapes) + (1 << 14)
 
 
 def checkpoint_limit(shapes):
@@ -88,7 +90,6 @@ def read_checkpoint(path, shapes):
 def members(zipped, name, limit):
     """Every member of an .npz, checked before NumPy reads one: arrays only
     (``.npy``), whose declared sizes a checkpoint of this model can hold."""
-    import zipfile
     try:
         infos = zipfile.ZipFile(io.BytesIO(zipped)).infolist()
     except (zipfile.BadZipFile, ValueError, OSError) as e:
@@ -307,13 +308,13 @@ def lock(path, lock_path, room):
 
 def take_lock(path, lock_path):
     """The open, locked descriptor of ``path``'s lock file (see ``hold``)."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    how = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     while True:
         try:
-            fd, made = os.open(lock_path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+            fd, made = os.open(lock_path, how | os.O_CREAT | os.O_EXCL, 0o644), True
         except FileExistsError:
             try:
-                fd, made = os.open(lock_path, flags), False
+                fd, made = os.open(lock_path, how), False
             except FileNotFoundError:  # a finishing run removed it just now
                 continue
             except OSError as e:

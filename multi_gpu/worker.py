@@ -60,8 +60,8 @@ def stop_point(rank, where):
 
 
 FAULT = os.environ.get("DUAL_MLP_FAULT", "").split(":")  # read once: it is on every step's path
-FAULT_PLACES, FAULT_KINDS = ("start", "train", "exchange", "spawned", "folder"), \
-    ("raise", "oom", "kill", "hint")
+FAULT_PLACES = ("start", "train", "exchange", "spawned", "folder")
+FAULT_KINDS = ("raise", "oom", "kill", "hint")
 
 
 def fault_spec_problem():
@@ -292,9 +292,10 @@ def the_request(rundir):
             with open(os.path.join(rundir, "config.json")) as f:
                 return types.SimpleNamespace(**json.load(f))
         except FileNotFoundError:  # not yet: it starts every worker before it writes it
-            if made and not os.path.isdir(rundir):
+            there = os.path.isdir(rundir)
+            if made and not there:
                 folder_vanished("?", rundir)
-            made = made or os.path.isdir(rundir)
+            made = made or there
             time.sleep(0.005)
     return None
 

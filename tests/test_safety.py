@@ -486,7 +486,8 @@ def test_a_checkpoint_holds_exactly_what_the_demo_writes(tmp_path, no_leftovers)
     def lacking(key):
         save(config={k: v for k, v in config.items() if k != key})
 
-    cases = [(lambda: save(extra=np.zeros(10)), "holds extra, which no checkpoint of this demo has"),
+    cases = [(lambda: save(extra=np.zeros(10)),
+              "holds extra, which no checkpoint of this demo has"),
              (lambda: with_member("notes.txt", "hi"), "holds notes.txt, which is not an array"),
              (lambda: with_member("big.npy", b"\0" * (256 << 20)),
               "more than any checkpoint of this model"),
