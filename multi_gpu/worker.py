@@ -61,7 +61,7 @@ def stop_point(rank, where):
 
 FAULT = os.environ.get("DUAL_MLP_FAULT", "").split(":")  # read once: it is on every step's path
 FAULT_PLACES = ("start", "train", "exchange", "spawned", "folder")
-FAULT_KINDS = ("raise", "oom", "kill", "hint")
+FAULT_KINDS = ("raise", "oom", "kill", "hint", "stop")
 
 
 def fault_spec_problem():
@@ -79,8 +79,12 @@ def fault_spec_problem():
 def fault_point(rank, where):
     """The fault tests' hook: DUAL_MLP_FAULT=RANK:WHERE:HOW makes worker RANK
     fail on reaching WHERE (start, train, exchange) by HOW (raise, oom, kill,
-    or hint: an error whose message ends in a hint line, as PyTensor's do)."""
+    or hint: an error whose message ends in a hint line, as PyTensor's do),
+    or pause there (stop: SIGSTOP, until the test has acted and sends SIGCONT)."""
     if FAULT[:2] != [str(rank), where]:
+        return
+    if FAULT[2] == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
         return
     if FAULT[2] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

@@ -499,6 +499,30 @@ def test_a_checkpoint_holds_exactly_what_the_demo_writes(tmp_path, no_leftovers)
         one_line(dual("cpu", "cpu", "--epochs", 3, "--resume", path, timeout=60), 2, words)
 
 
+def test_a_checkpoint_rewritten_as_the_run_starts_is_resumed_as_it_was_checked(tmp_path,
+                                                                                no_leftovers):
+    """The launcher reads --resume once: whatever writes the file after its
+    check (here, while the launcher is held stopped between that read and
+    its workers' load), both workers resume the version that was checked,
+    and the file is left as the writer left it."""
+    ckpt, after = tmp_path / "m.npz", tmp_path / "after.npz"
+    out = dual("cpu", "cpu", "--epochs", 1, "--save", ckpt)
+    assert out.returncode == 0, out.stderr
+    _, _, checked = records.load_checkpoint(str(ckpt), SHAPES, records.TRAINING_STATE)
+    proc = start_dual("cpu", "cpu", "--epochs", 2, "--resume", ckpt, "--save", after,
+                      env={"DUAL_MLP_FAULT": "launcher:spawned:stop"})
+    wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 120,
+             "the launcher to stop itself once it has read the checkpoint")
+    ckpt.write_bytes(b"a writer's half-written file")
+    os.kill(proc.pid, signal.SIGCONT)
+    code, _, err = finish(proc, timeout=300)
+    assert code == 0, err
+    _, _, resumed = records.load_checkpoint(str(after), SHAPES, records.TRAINING_STATE)
+    assert resumed["epoch"] == 2
+    assert resumed["validation_errors"][0] == checked["validation_errors"][0]
+    assert ckpt.read_bytes() == b"a writer's half-written file"
+
+
 THREADS = "not a number of threads (a positive integer): set it to one, or unset it"
 
 
