@@ -253,7 +253,8 @@ def main(argv=None):
     return tutorial.run("mlp.py", lambda: test_mlp(
         args.learning_rate, args.l1, args.l2, args.epochs, args.dataset, args.batch_size,
         args.n_hidden, args.seed, args.save, args.json, tutorial.device_from_flags()),
-        args.dataset, {"--save": args.save, "--json": args.json})
+        args.dataset, {"--save": args.save, "--json": args.json},
+        parameter_shapes(tutorial.N_PIXELS, args.n_hidden, tutorial.N_CLASSES))
 
 if __name__ == "__main__":
     sys.exit(main())

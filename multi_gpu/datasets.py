@@ -340,8 +340,10 @@ def atomic_write(path):
         if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
             raise OSError(errno.EEXIST, "not a regular file, left as it is", path)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:  # a write into the file: name ours
+            raise OSError(e.errno, e.strerror, path) from None
         raise
 
 

@@ -18,6 +18,7 @@ variable holding a NumPy array is sent to the GPU again at every call.
 """
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags
 import contextlib
+import math
 import os
 import platform
 import shutil
@@ -49,6 +50,31 @@ def cpu_backend():
     programs for the next run (``keep_compiled_programs``), and steps about
     as fast (bench/first_run.py measures all three)."""
     return "JAX" if flags.MODE in CPU_DEFAULT_MODES else "flags"
+
+
+def memory_problem(shapes, workers=1, data_values=0):
+    """Why this machine's memory cannot hold the MLP of parameter ``shapes``
+    in ``workers`` processes beside ``data_values`` float32 values of data
+    each, or None (also where nothing tells: not Linux).  Said before any
+    process builds it, for a model too big ends in the kernel's OOM killer
+    (exit 137, no word), not in a MemoryError: each process keeps its
+    replica about 8 times over (weights, gradients, updated weights, best
+    weights, the exchange's buffers, its checkpoint's copies)."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) << 10 for line in f
+                             if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    each = 8 * 4 * sum(math.prod(s) for s in shapes) + 4 * data_values
+    if workers * each <= available:
+        return None
+    needs = f"{each / 2**30:.1f} GiB"
+    if workers > 1:
+        needs += f" a worker, {workers * each / 2**30:.1f} GiB for {workers}"
+    return (f"the model with --n-hidden {shapes[0][1]} needs about {needs}; this machine has "
+            f"{available / 2**30:.1f} GiB available: a smaller --n-hidden" +
+            (", or fewer workers" if workers > 1 else ""))
 
 
 def open_device(dev, jax_on_cpu=False):

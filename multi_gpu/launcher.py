@@ -30,7 +30,7 @@ import time
 
 import pytensor
 
-from multi_gpu import cli, datasets, records
+from multi_gpu import cli, datasets, devices, records
 from multi_gpu.trainer import steps_per_epoch
 from multi_gpu.worker import fault_point, fault_spec_problem, request_stop, stopping
 
@@ -407,7 +407,9 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
                          f"{n_train} images, and each of the {world} workers needs a minibatch")
     notices += check_steps_per_call(args, steps_per_epoch(n_train // args.batch_size, world),
                                     steps_per_call)
-    check_memory(args, shapes, splits)
+    too_big = devices.memory_problem(shapes, len(args.devices), sum(x.size for x, _ in splits))
+    if too_big:
+        raise UsageError(too_big)
     args.trained_with = dict({k: getattr(args, k) for k in TRAINED_WITH[:-2]}, workers=world,
                              dataset=datasets.fingerprint(splits))
     args.resume_epoch = 0
@@ -421,27 +423,6 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
     elif args.exchange == "xla" and args.node_rank == 0:
         check_port(args.coordinator)
     return [n for n in notices if n]
-
-
-def check_memory(args, shapes, splits):
-    """Refuse a model this machine's memory cannot hold, before any worker
-    builds it: each worker keeps its replica about 8 times over (weights,
-    gradients, updated weights, best weights, the exchange's buffers,
-    its checkpoint's copies) beside the data set as float32."""
-    try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) << 10 for line in f
-                             if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return  # not Linux's: nothing to go by
-    per_worker = 8 * 4 * sum(math.prod(s) for s in shapes) + \
-        4 * sum(x.size for x, _ in splits)
-    needed = len(args.devices) * per_worker
-    if needed > available:
-        raise UsageError(f"the model with --n-hidden {args.n_hidden} needs about "
-                         f"{per_worker / 2**30:.1f} GiB a worker, {needed / 2**30:.1f} GiB for "
-                         f"{len(args.devices)}; this machine has {available / 2**30:.1f} GiB "
-                         "available: a smaller --n-hidden, or fewer workers")
 
 
 def worker_environment(dev, n_local, one_machine=True):

@@ -21,7 +21,7 @@ import os
 import sys
 import tempfile
 
-from multi_gpu import cli, datasets, records
+from multi_gpu import cli, datasets, devices, records
 from multi_gpu.cli import (backend_name, heartbeat, non_negative, positive,  # noqa: F401
                            positive_int, quiet_start_up, seed, writable)
 from multi_gpu.datasets import N_CLASSES, N_PIXELS, DatasetError, read, resolve  # noqa: F401
@@ -39,12 +39,11 @@ def device_from_flags():
     where the flags name another mode (``mode=NUMBA``).  Where GPU N cannot
     be used, a ``DatasetError`` says why in one line: no CUDA in this JAX,
     no NVIDIA GPU, or no GPU of that number."""
-    from multi_gpu.devices import JaxDevice, cpu_backend
     if not flags.DEVICE:  # the CPU, with JAX unless the flags name another mode
-        if cpu_backend() != "JAX":
+        if devices.cpu_backend() != "JAX":
             return None
         os.environ["JAX_PLATFORMS"] = "cpu"
-        return JaxDevice()
+        return devices.JaxDevice()
     index, asked = int(flags.DEVICE[4:]), f"THEANO_FLAGS device={flags.DEVICE_ASKED}"
     cpu = "or leave device= out to run on the CPU"
     if not any((d.metadata["Name"] or "").lower().startswith("jax-cuda")
@@ -62,17 +61,19 @@ def device_from_flags():
     os.environ.update(CUDA_VISIBLE_DEVICES=str(index), JAX_PLATFORMS="cuda",
                       XLA_PYTHON_CLIENT_PREALLOCATE="false")
     try:
-        return JaxDevice()
+        return devices.JaxDevice()
     except Exception as e:  # the driver or JAX's CUDA plugin would not start
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DatasetError(f"{asked}: JAX cannot start GPU {index} ({why})") from None
 
 
-def run(script, train, dataset, outputs=None):
+def run(script, train, dataset, outputs=None, shapes=None):
     """``train()``, once no output in ``outputs`` ({option: path}) would
-    overwrite the data set or each other, and holding ``--save``; what a
-    user can get wrong is said in one line: exit 2 for bad input, 1 for a
-    write that failed at the end (the file before it is kept)."""
+    overwrite the data set or each other, and holding them; for a model of
+    parameter ``shapes``, once memory can hold it and each output's disk a
+    checkpoint of it.  What a user can get wrong is said in one line: exit 2
+    for bad input, 1 for a write that failed at the end (the file before
+    it is kept)."""
     outputs = outputs or {}
     try:
         dataset, _ = resolve(dataset)
@@ -80,7 +81,12 @@ def run(script, train, dataset, outputs=None):
                           {option: [path] for option, path in outputs.items()})
         if clash:
             raise DatasetError(clash)
-        with records.hold(*outputs.values()), tempfile.TemporaryDirectory() as sources:
+        too_big = shapes and devices.memory_problem(shapes)
+        if too_big:
+            raise DatasetError(too_big)
+        room = records.checkpoint_bytes(shapes) if shapes else 0
+        with records.hold(*outputs.values(), room=room), \
+                tempfile.TemporaryDirectory() as sources:
             tempfile.tempdir = sources  # PyTensor's compiled graphs' sources, which it leaves
             train()
     except (DatasetError, records.CheckpointError) as e:

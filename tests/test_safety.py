@@ -410,32 +410,56 @@ def test_a_name_too_long_for_its_temporary_is_refused_before_anything_runs(tmp_p
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
-                    reason="needs root and unshare, to give a run a small disk of its own")
-def test_a_full_disk_is_found_before_training_and_no_checkpoint_at_all_is_a_failure(tmp_path):
-    """A disk without room for one checkpoint: refused at once.  A disk that
-    fills once training has begun: every epoch warns, and the run, which
-    could write no checkpoint, exits 1 saying so."""
-    disk = tmp_path / "disk"
+def on_a_small_disk(disk, size, command):
+    """``command`` (sh) with ``disk`` a tmpfs of ``size`` of its own, in a
+    private mount namespace (skipped where there is none)."""
     disk.mkdir()
-    run = f"{sys.executable} {ROOT / 'dual_mlp.py'} cpu cpu --save {disk}/m.npz"
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                          f"mount -t tmpfs -o size={size} tmpfs {disk} && {command}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, DUAL_MLP_TESTS=TOKEN))
+    if "mount" in out.stderr and out.returncode:
+        pytest.skip(f"no mount namespace here: {out.stderr.strip()}")
+    return out
+
+
+SMALL_DISK = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                                reason="needs root and unshare, to give a run a small disk "
+                                       "of its own")
+
+
+@SMALL_DISK
+@pytest.mark.parametrize("name", ["dual_mlp.py", "mlp.py"])
+def test_a_disk_without_room_for_a_checkpoint_is_found_before_training(tmp_path, name):
+    disk = tmp_path / "disk"
+    out = on_a_small_disk(disk, "2m", f"{sys.executable} {ROOT / name} "
+                          f"{'cpu cpu' if name == 'dual_mlp.py' else ''} --epochs 1 "
+                          f"--save {disk}/m.npz")
+    one_line(out, 2, f"cannot write {disk}/m.npz: no space left on device")
+    assert "training" not in out.stdout
+
+
+@SMALL_DISK
+@pytest.mark.parametrize("name,args,ends", [
+    ("dual_mlp.py", "cpu cpu --epochs 2 --batch-size 20",
+     ["could not write {disk}/m.npz (No space left on device)"] * 2 +
+     ["no checkpoint could be written to {disk}/m.npz"]),
+    ("mlp.py", "--epochs 1", ["mlp.py: error: could not write {disk}/m.npz: No space left"])])
+def test_a_disk_that_fills_mid_run_is_a_failure_naming_the_file(tmp_path, name, args, ends):
+    """A disk that fills once training has begun: dual_mlp.py warns at every
+    epoch and, as it could write no checkpoint at all, exits 1 saying so;
+    mlp.py, which writes once at the end, exits 1 naming the file."""
+    disk = tmp_path / "disk"
+    run = f"{sys.executable} {ROOT / name} {args} --save {disk}/m.npz"
     fill = f"dd if=/dev/zero of={disk}/fill bs=64k 2>/dev/null"
-    for size, then in (("2m", f"{run} --epochs 1"),
-                       ("4m", f"{{ {run} --epochs 2 --batch-size 20; echo exit=$?; }} | while "
-                              "IFS= read -r line; do echo \"$line\"; case \"$line\" in "
-                              f"'... training'*) {fill};; esac; done")):
-        out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                              f"mount -t tmpfs -o size={size} tmpfs {disk} && {then}"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300,
-                             env=dict(os.environ, DUAL_MLP_TESTS=TOKEN))
-        if "mount" in out.stderr and out.returncode:
-            pytest.skip(f"no mount namespace here: {out.stderr.strip()}")
-        if size == "2m":
-            one_line(out, 2, f"cannot write {disk}/m.npz: no space left on device")
-            continue
-        assert "exit=1" in out.stdout, (out.stdout, out.stderr)
-        assert out.stderr.count("could not write") == 2, out.stderr
-        assert f"no checkpoint could be written to {disk}/m.npz" in out.stderr
+    out = on_a_small_disk(disk, "4m", f"{{ {run}; echo exit=$?; }} | while IFS= read -r line; "
+                          "do echo \"$line\"; case \"$line\" in "
+                          f"'... training'*) {fill};; esac; done")
+    assert "exit=1" in out.stdout, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == len(ends), out.stderr
+    for line, words in zip(lines, ends):
+        assert words.format(disk=disk) in line, out.stderr
 
 
 def test_the_lobby_answers_any_message_and_lets_the_real_node_in(no_leftovers):
@@ -570,9 +594,12 @@ def test_divergence_is_caught_by_its_cost_and_names_what_was_large(tmp_path, no_
         one_line(dual("cpu", "cpu", "--epochs", 3, *args), 1, words)
 
 
-def test_a_model_too_big_for_memory_is_refused_before_it_is_built():
-    out = dual("cpu", "cpu", "--n-hidden", 2000000, "--epochs", 1, timeout=60)
-    one_line(out, 2, "the model with --n-hidden 2000000 needs about", "GiB available")
+@pytest.mark.parametrize("name", ["dual_mlp.py", "mlp.py"])
+def test_a_model_too_big_for_memory_is_refused_before_it_is_built(name):
+    """(Built, it would end in the kernel's OOM killer: exit 137, no word.)"""
+    out = script(name, *(["cpu", "cpu"] if name == "dual_mlp.py" else []), "--n-hidden",
+                 20000000, "--epochs", 1, timeout=60)
+    one_line(out, 2, "the model with --n-hidden 20000000 needs about", "GiB available")
 
 
 def test_a_run_whose_folder_vanishes_stops_in_one_line(no_leftovers):
