@@ -8,34 +8,63 @@ of Guelph, 2014), on PyTensor, PyCUDA and pyzmq::
     python dual_mlp.py cpu cpu                                          # no GPU needed
     python dual_mlp.py 0 1 2 3                                          # four GPUs
 
-This process is the launcher: it checks the request, starts one worker per
-device (this same file, with ``--worker``), watches them, and stops them all
-if one fails.  Worker k of N holds a full replica of the MLP and trains on the
-minibatches whose index is k modulo N.  As in 2014 (``--exchange p2p``), after
-every step of their own, on one machine:
+In 2014, two ``multiprocessing.Process`` children of one launcher each made a
+CUDA context of their own on their GPU and swapped, once, the CUDA IPC
+handles of their Theano parameters over a zmq PAIR socket on TCP port 5000
+(``send_pyobj``, ``recv_pyobj``).  Then, after every step of their own on
+alternate minibatches:
+
+  1. train    ``train_model(i)``: Theano updates the weights in place;
+  2. signal   ``this_queue.put(''); that_queue.get()``, on a pair of
+              ``multiprocessing.Queue(1)``: "my step is done";
+  3. copy     ``drv.memcpy_peer`` of each parameter, straight from the other
+              GPU's live weights into a shared variable here, and
+              ``ctx.synchronize()``;
+  4. signal   the queues again: "I have read yours";
+  5. average  a Theano function per parameter whose update is
+              ``(param + param_other) / 2``.
+
+This file is the launcher: it checks the request and starts one worker per
+device (this same file, with ``--worker``).  Worker k of N holds a full
+replica and trains on the minibatches whose index is k modulo N.  Between
+CPUs or the GPUs of one machine (``--exchange p2p``), each step has six
+phases, and ``HostOrdered.epoch`` below is that step, line for line:
 
   1. train    one SGD step on its minibatch;
   2. publish  copy its weights into its send buffer, whose address never moves;
-  3. signal   "published", and wait until every other worker has published too;
-  4. copy     read every send buffer (GPUs: peer-to-peer reads of CUDA IPC
-              buffers; CPUs: host memory);
+  3. signal   a zmq message "published" to every other worker; wait for theirs;
+  4. copy     read every send buffer (GPUs: peer-to-peer copies from CUDA IPC
+              buffers; CPUs: files mapped into every worker's memory);
   5. signal   "copied": the others may overwrite their send buffers again;
   6. average  set its weights to the mean of all, summed in rank order, so
               that every replica gets the same bits.
 
-``HostOrdered.epoch`` below is that step, line for line.  What changed since
-2014 is who orders these steps (``--sync``):
+What changed since 2014, and why:
 
-  host   the host waits for its GPU after each phase, and the signals are
-         zmq messages: the 2014 loop, and the only way on CPUs;
-  gpu    steps 2-6 are one kernel on the GPU's own stream, at the end of the
-         compiled training step, and the signals are counters each GPU writes
-         into the others' memory (multi_gpu/stream_exchange.cu).  The step
-         hands the kernel its gradients, and the kernel applies the SGD
-         update as it publishes: left to XLA, the update would write every
-         weight once more, in kernels of its own, just before the exchange
-         reads them.  The host only queues calls of K steps
-         (``--steps-per-call``), so it runs ahead while the GPUs compute.
+* publish is new: JAX writes every step's weights into new buffers, where
+  Theano updated them in place, so a handle taken on the weights would be
+  stale after one step.  The handles are taken once on send buffers that
+  PyCUDA allocated.
+* the signals are zmq messages too, on the sockets that carried the
+  handles: the 2014 queues join the children of one process only, and a
+  zmq wait can time out, so a worker sees a peer that died.
+* ``ipc://`` sockets in a private run folder, not TCP port 5000 on every
+  interface: nothing to collide with, nothing another user can reach.
+* PyCUDA works in JAX's primary CUDA context, not a context of its own, so
+  that a pointer into a JAX array is valid for PyCUDA.
+* each worker is this script run again, seeing its own GPU only, not a
+  forked child: JAX's threads do not survive a fork.
+* N workers, not two: each reads every send buffer, its own included, and
+  sums them in rank order (2014: ``param + param_other`` on each side).
+* who orders the phases (``--sync``).  ``host``: the host waits for its
+  device after each phase, as in 2014; the only way on CPUs.  ``gpu``
+  (the default on GPUs): phases 2-6 are one kernel at the end of the
+  compiled step (multi_gpu/stream_exchange.cu), and the signals are
+  counters each GPU writes into the others' memory.  The kernel also applies
+  the SGD update as it publishes (left to XLA, the update would write every
+  weight once more just before the exchange reads it), and the host only
+  queues calls of K steps (``--steps-per-call``), running ahead while the
+  GPUs compute.
 
 Several machines, or more GPUs than two by default, average with
 ``--exchange xla``: the compiled step ends in a ``pmean`` over all workers
@@ -57,16 +86,18 @@ import functools
 import os
 import shlex
 import shutil
+import struct
 import sys
 import time
 from contextlib import ExitStack
 
 import numpy as np
 import pytensor
+import zmq
 
 import mlp
 from logistic_sgd import load_data
-from multi_gpu import cli, datasets, devices, launcher, links, records, report
+from multi_gpu import cli, datasets, devices, files, launcher, records, report
 from multi_gpu.devices import place, storage
 from multi_gpu.links import Layout, Peer, PeerError, XlaExchange
 from multi_gpu.trainer import (DeviceOrdered, StepClock, Trainer, averages_after, local_sgd,
@@ -90,15 +121,14 @@ STEPS_PER_CALL = 10        # steps in one compiled call (--sync gpu, xla), at mo
 # the 2014 step: ordered by the host
 
 class CudaIpcTransport:
-    """How the weights travel between GPUs, as in 2014: PyCUDA allocates
-    each worker's send buffer once, so its address never moves (JAX writes
-    every step's weights to new buffers) and one CUDA IPC handle, sent to
-    the others over zmq at the start, serves the whole run.  Every copy is
-    a device-to-device copy on this GPU's stream, from the other GPU's
-    memory (over NVLink where there is one).  The receive buffer is a JAX
-    array, so the compiled averaging function reads it directly.  (On CPUs,
-    and between GPUs that cannot reach each other, the same five calls go
-    through host memory: ``links.host_transport``.)"""
+    """How the weights travel between GPUs: PyCUDA allocates each worker's
+    send buffer once, so its address never moves (JAX writes every step's
+    weights to new buffers) and one CUDA IPC handle, sent to the others over
+    zmq at the start, serves the whole run, as the handles of 2014 did.
+    Every copy is a device-to-device copy on this GPU's stream, from the
+    other GPU's memory (over NVLink where there is one), as 2014's
+    ``memcpy_peer`` was.  The receive buffer is a JAX array, so the compiled
+    averaging function reads it directly."""
 
     route = "CUDA IPC, peer to peer"
 
@@ -142,13 +172,100 @@ class CudaIpcTransport:
         self.sources = self.opened = []
 
 
+class HostTransport:
+    """The same calls between CPU workers, the transport a laptop runs: the
+    send buffer is a file in the run's private folder that every worker maps
+    into its memory (``np.memmap``), and its name is the handle.  A copy is
+    a read of the other's mapped pages.  ``recv`` holds every worker's
+    weights after a fetch, in rank order, this worker's own included, so
+    that every worker averages the same numbers in the same order."""
+
+    route = "host memory"
+
+    def __init__(self, rundir, rank, n_workers, layout, device):
+        self.layout, self.device = layout, device
+        self.path = os.path.join(rundir, f"weights{rank}.bin")
+        with files.new_file(self.path, layout.nbytes) as f:
+            self.send = np.memmap(f, layout.dtype, mode="r+", shape=(layout.size,))
+        self.send_views = layout.views(self.send)
+        self.recv = devices.host_buffer(n_workers * layout.size, layout.dtype)
+        self.sources = []
+
+    def handle(self):
+        return self.path
+
+    def connect(self, handles):
+        self.sources = []
+        for path in handles:
+            with files.open_file(path) as f:
+                self.sources.append(np.memmap(f, self.layout.dtype, mode="r",
+                                              shape=(self.layout.size,)))
+
+    def publish(self, values):
+        for view, value in zip(self.send_views, values):
+            view[...] = value
+
+    def fetch(self):
+        size = self.layout.size
+        for w, source in enumerate(self.sources):
+            self.recv[w * size:(w + 1) * size] = source
+
+    def close(self):
+        self.sources = self.send = self.send_views = None  # unmaps
+
+
+class StagedCudaTransport(HostTransport):
+    """The fallback for GPUs without peer access (``--staged``): each worker
+    copies its weights down into its mapped host file, the others copy them
+    up into their GPU."""
+
+    route = "host memory (staged)"
+
+    def __init__(self, rundir, rank, n_workers, layout, device):
+        super().__init__(rundir, rank, n_workers, layout, device)
+        self.recv = device.put(self.recv)  # on the GPU: the copies go up into it
+
+    def publish(self, values):
+        for view, value in zip(self.send_views, values):
+            self.device.drv.memcpy_dtoh(view, self.device.pointer(value))
+
+    def fetch(self):
+        base, nbytes = self.device.pointer(self.recv), self.layout.nbytes
+        for w, source in enumerate(self.sources):
+            self.device.drv.memcpy_htod(base + w * nbytes, source)
+
+
 def transport(device, rundir, rank, world, layout, staged):
     """The host-ordered transport for ``device``: PyCUDA peer to peer between
     GPUs, else through host memory (CPUs; ``staged``, chosen by the launcher
     where the GPUs cannot reach each other's memory)."""
-    if device.name == "cpu" or staged:
-        return links.host_transport(device, rundir, rank, world, layout, staged)
+    if staged:
+        return StagedCudaTransport(rundir, rank, world, layout, device)
+    if device.name == "cpu":
+        return HostTransport(rundir, rank, world, layout, device)
     return CudaIpcTransport(rank, world, layout, device)
+
+
+def barrier(peer):
+    """3. and 5., a signal: a zmq message to every other worker, then one
+    from each, on the PAIR socket between the two, so that nobody goes on
+    before the last has arrived.  A message holds the barrier's number (all
+    must be at the same one) and when its sender arrived, on the machine's
+    monotonic clock: returns the seconds this worker waited for the last to
+    arrive.  (``peer.ready`` waits, in slices, with the run's --timeout.)"""
+    peer.barriers += 1
+    arrived, what = time.perf_counter(), f"barrier {peer.barriers}"
+    for other, socket in peer.sockets.items():
+        peer.ready(other, zmq.POLLOUT, what)
+        socket.send(struct.pack("<qd", peer.barriers, arrived), zmq.NOBLOCK)
+    last = arrived
+    for other, socket in peer.sockets.items():
+        peer.ready(other, zmq.POLLIN, what)
+        count, their_arrival = struct.unpack("<qd", socket.recv(zmq.NOBLOCK))
+        if count != peer.barriers:
+            raise PeerError(f"workers out of step: at {what}, worker {other} is at {count}")
+        last = max(last, their_arrival)
+    return last - arrived
 
 
 class HostOrdered(Trainer):
@@ -169,7 +286,7 @@ class HostOrdered(Trainer):
         clock = self.clock
         self.train = clock.timed("train", hooked(rank, "train", self.train_on, stops=True))
         self.publish = clock.timed("publish", self.transport.publish)
-        self.signal = clock.timed("signal", peer.barrier, waits=True)
+        self.signal = clock.timed("signal", functools.partial(barrier, peer), waits=True)
         self.copy = clock.timed("copy", hooked(rank, "exchange", self.transport.fetch))
         self.average = clock.timed("average", self.average_all)
 
@@ -313,7 +430,7 @@ class GpuOrdered(DeviceOrdered):
         return self._weights(*self.state)
 
     def finish(self):  # both GPUs are done: neither send buffer is read any more
-        self.link.barrier()
+        barrier(self.link)
         self.exchange_steps = self.exchange.steps_done()
         self.exchange.close()
 
@@ -398,7 +515,6 @@ def worker(args, rank, world, dev, rundir, watchdog):
         device = devices.open_device(dev, jax_on_cpu=xla is not None)
         cleanup.callback(device.close)
         data = load_data(args.dataset, put=device.put)  # resident on the device
-        t0 = time.perf_counter()
         with cli.heartbeat(report.compiling("the model", device.mode, device.name), say):
             model = mlp.Model(data, args.batch_size, args.n_hidden, args.learning_rate, args.l1,
                               args.l2, args.seed, mode=device.mode)
@@ -414,7 +530,6 @@ def worker(args, rank, world, dev, rundir, watchdog):
                                    cleanup)
             cleanup.callback(trainer.close)
             trainer.start()
-        say(f"... compiled in {time.perf_counter() - t0:.1f} s")
         if args.resume:
             say(f"... resumed from {args.resume} at epoch {progress.epoch}")
 

@@ -23,16 +23,16 @@ Writes ``accuracy.json`` (command, date, machine, every curve, the figures)
 and ``accuracy.png`` (test accuracy against training seconds); ``--tables-from
 JSON`` regenerates the tables of README.md and bench/README.md from one.
 """
-import argparse
 import json
 import os
 import sys
 import tempfile
 
-from bench.common import RESULTS, parse_args, pyplot, record
+from bench.common import RESULTS, load, measured_by, parse_args, pyplot, record
 from bench.compare import K, ONE_GPU, STEPS_PER_CALL, run, summary_of
 
 from multi_gpu import datasets
+from multi_gpu.cli import Parser
 
 GLOBAL_BATCH = 200
 
@@ -131,7 +131,7 @@ def plot(results, target, path):
 def table(document):
     """The Markdown table of an accuracy.json."""
     target = 100 * document["target"]
-    lines = [f"Measured by `{document['command']}` on {document['date'][:10]}; "
+    lines = [f"{measured_by(document)}; "
              f"{document['global_batch']} examples per step, learning rate "
              f"{document['learning_rate']}, L2 {document['l2']}, {document['epochs']} epochs.", "",
              f"| system | {'processes' if document.get('cpu') else 'GPUs'} | batch per "
@@ -148,7 +148,7 @@ def table(document):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default=datasets.SHIPPED,
                         help="a data set (default: the shipped digits)")
     parser.add_argument("--cpu", action="store_true", help="the small CPU subset (CI)")
@@ -175,8 +175,7 @@ def main():
         for result in (cpu_systems if opts.cpu else gpu_systems)(opts, tmp):
             results.append(result)
             write(complete=False)
-    with open(write(complete=True)) as f:
-        print(table(json.load(f)))
+    print(table(load(write(complete=True))))
     plot(results, opts.target, os.path.join(opts.out, f"{name}.png"))
 
 

@@ -14,6 +14,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
+SCRIPT = os.path.basename(sys.argv[0])  # the benchmark that runs, for its messages: accuracy.py
 
 
 def machine():
@@ -49,7 +50,7 @@ def require_gpus():
     except OSError:
         listed = ""
     if "GPU" not in listed:
-        print(f"{os.path.basename(sys.argv[0])}: error: no GPU here (nvidia-smi lists none): "
+        print(f"{SCRIPT}: error: no GPU here (nvidia-smi lists none): "
               "nothing was measured and no result was written; on a CPU, the benchmarks "
               "that have one take --cpu", file=sys.stderr)
         sys.exit(2)
@@ -61,7 +62,7 @@ def refuse_busy_gpus():
     reference several times slower)."""
     busy = busy_gpus()
     if busy:
-        sys.exit(f"{os.path.basename(sys.argv[0])}: error: the GPUs are busy (pid, name, "
+        sys.exit(f"{SCRIPT}: error: the GPUs are busy (pid, name, "
                  f"memory: {'; '.join(busy)}): stop those processes first; figures measured "
                  "beside them would be wrong")
 
@@ -90,17 +91,74 @@ def invocation():
     return ["-m", spec.name] if spec else [os.path.relpath(sys.argv[0], ROOT)]
 
 
+def commit():
+    """The commit the code measured was at (``DUAL_MLP_COMMIT`` where the
+    working tree travelled without git, as to a device), with ``+changes``
+    where the tracked files differ from it; None where nobody knows."""
+    if os.environ.get("DUAL_MLP_COMMIT"):
+        return os.environ["DUAL_MLP_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=30)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                  ".", ":!bench/results"], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=30)
+    except OSError:
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
+
+
 def record(name, out_dir, **results):
-    """Write ``<out_dir>/<name>.json`` with the date, machine and command line."""
+    """Write ``<out_dir>/<name>.json`` with the date, machine, commit and command line."""
     os.makedirs(out_dir, exist_ok=True)
     document = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     command=shlex.join(["python", *invocation(), *sys.argv[1:]]),
-                    machine=machine(), **results)
+                    commit=commit(), machine=machine(), **results)
     path = os.path.join(out_dir, f"{name}.json")
     with open(path, "w") as f:
         json.dump(document, f, indent=2)
     print(f"wrote {path}")
     return path
+
+
+def load(path):
+    """A results file, with where it lies (``source``: its path in the
+    repository where it is one of its files)."""
+    with open(path) as f:
+        document = json.load(f)
+    where = os.path.relpath(os.path.abspath(path), ROOT)
+    document["source"] = where if not where.startswith("..") else os.path.abspath(path)
+    return document
+
+
+DEBIAN_FASHION = "/usr/share/datasets/fashion-mnist"  # apt install dataset-fashion-mnist
+
+
+def as_typed(document):
+    """The command that wrote ``document``, as it is typed from the root of
+    a fresh clone to write it again: ``python -m bench.NAME`` (older scripts
+    ran as files), Fashion-MNIST at the path Debian's package gives it (the
+    runs read a copy of those files), and ``--out`` the folder the results
+    file lies in."""
+    words = shlex.split(document["command"])
+    if len(words) > 1 and re.fullmatch(r"bench/\w+\.py", words[1]):
+        words[1:2] = ["-m", "bench." + words[1][len("bench/"):-len(".py")]]
+    for i, word in enumerate(words[:-1]):
+        if word == "--dataset" and "fashion" in words[i + 1].lower():
+            words[i + 1] = DEBIAN_FASHION
+        if word == "--out" and not os.path.isabs(document.get("source", "/")):
+            words[i + 1] = os.path.dirname(document["source"])
+    return shlex.join(words)
+
+
+def measured_by(document):
+    """The start of every table's first line: the command, the date, the
+    commit where it was recorded, the results file."""
+    at = f" at commit {document['commit']}" if document.get("commit") else ""
+    return (f"Measured by `{as_typed(document)}` on {document['date'][:10]}{at}, "
+            f"`{document.get('source', '?')}`")
 
 
 def dual_mlp(*args, json_path, env=None):
@@ -120,7 +178,7 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        print(f"{os.path.basename(sys.argv[0])}: no plot: matplotlib is not installed "
+        print(f"{SCRIPT}: no plot: matplotlib is not installed "
               "(pip install -r requirements-test.txt); the figures are in the JSON")
         return None
     matplotlib.use("Agg")
@@ -167,11 +225,14 @@ def tables_from(path, table):
     """``--tables-from JSON``: regenerate the running script's README tables
     (the block named after it, ``NAME.py --cpu`` for a CPU run's, or the
     one its results file names) from a results file."""
-    with open(path) as f:
-        document = json.load(f)
-    script = os.path.basename(sys.argv[0])
-    write_block(document.get("block", f"{script} --cpu" if document.get("cpu") else script),
-                table(document))
+    document = load(path)
+    write_block(block_name(document, SCRIPT), table(document))
+
+
+def block_name(document, script):
+    """The README block a results file's tables go into: the one it names,
+    else its script's (``NAME.py``, or ``NAME.py --cpu`` for a CPU run's)."""
+    return document.get("block", f"{script} --cpu" if document.get("cpu") else script)
 
 
 def parse_args(parser, table):

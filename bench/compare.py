@@ -38,7 +38,6 @@ Writes ``compare.json`` (command, date, machine, versions, every figure) and
 tables of README.md and bench/README.md from that JSON (``--tables-from
 JSON`` does only that, from a results file).
 """
-import argparse
 import json
 import math
 import os
@@ -50,11 +49,12 @@ import time
 
 import numpy as np
 
-from bench.common import (RESULTS, ROOT, duration, parse_args, pyplot, rate, rate_unit, record,
-                    refuse_busy_gpus, tables_from)
+from bench.common import (RESULTS, ROOT, SCRIPT, duration, load, measured_by, parse_args, pyplot,
+                          rate, rate_unit, record, refuse_busy_gpus, tables_from)
 
 from multi_gpu import datasets
 from dual_mlp import STEPS_PER_CALL
+from multi_gpu.cli import Parser
 
 BATCHES = (500, 5000, 20000)
 K = ["--steps-per-call", str(STEPS_PER_CALL)]
@@ -131,7 +131,7 @@ def run(cmd, env=None, optional=False):
     if out.returncode != 0:
         if optional:
             raise Failed((out.stderr.strip().splitlines() or ["no error output"])[-1])
-        sys.exit(f"compare.py: error: {shlex.join(cmd)} failed (exit {out.returncode}):\n"
+        sys.exit(f"{SCRIPT}: error: {shlex.join(cmd)} failed (exit {out.returncode}):\n"
                  f"{out.stderr[-3000:]}")
     return out
 
@@ -300,7 +300,7 @@ def table(document):
     by = {(f["system"], f["batch"]): f for f in figures}
     cpu, unit = document.get("cpu", False), rate_unit(figures)
     each = "worker" if cpu else "GPU"
-    lines = [f"Measured by `{document['command']}` on {document['date'][:10]} "
+    lines = [f"{measured_by(document)} "
              f"({document['device']}); samples/s (time per step).", "",
              f"| system | {'processes' if cpu else 'GPUs'} | "
              + " | ".join(f"batch {b} per {each}" for b in batches) + " |",
@@ -332,7 +332,7 @@ def table(document):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default=datasets.SHIPPED,
                         help="a data set to tile (default: the shipped digits)")
     parser.add_argument("--cpu", action="store_true", help="the small CPU subset (CI)")
@@ -362,13 +362,12 @@ def main():
         try:
             tiles = Tiles(args.dataset, tmp, args.epoch_steps)
         except datasets.DatasetError as e:
-            sys.exit(f"compare.py: error: {e}")
+            sys.exit(f"{SCRIPT}: error: {e}")
         (cpu_runs if args.cpu else gpu_runs)(args, tiles, tmp, figures)
     figures.meta["wall_s"] = time.perf_counter() - started  # the whole benchmark
     path = figures.write(complete=True)
     plot(figures, os.path.join(args.out, f"{name}.png"))
-    with open(path) as f:
-        print(table(json.load(f)))
+    print(table(load(path)))
     if args.tables:
         tables_from(path, table)
 

@@ -3,10 +3,10 @@
     python -m bench.exchange [--gpus 0 1] [--out bench/results]
     python -m bench.exchange --allreduce [GPU ...]        # the N-way exchange beside NCCL
 
-The 2014 demo's ``time_copy_proc.py`` brought up to date.  Two processes,
+The copy each step of ``--sync host`` makes, alone.  Two processes,
 each bound to one GPU as ``dual_mlp.py``'s workers are: the first allocates
 a buffer with PyCUDA and sends its CUDA IPC handle over the project's zmq
-link (``exchange.Peer``); the second opens it and times device-to-device
+link (``links.Peer``); the second opens it and times device-to-device
 copies from it into its own memory (the peer-to-peer pull every step of the
 demo makes), with CUDA events on the copying stream.  Beside it, the same
 copies in one process that sees both GPUs (a plain peer copy).  Sizes from
@@ -45,7 +45,9 @@ import tempfile
 
 import numpy as np
 
-from bench.common import RESULTS, ROOT, parse_args, pyplot, record, refuse_busy_gpus
+from bench.common import (RESULTS, ROOT, load, measured_by, parse_args, pyplot, record,
+                          refuse_busy_gpus)
+from multi_gpu.cli import Parser
 
 
 SIZES = [4 << 10 << 2 * k for k in range(10)]  # 4 KB, 16 KB, ... 1 GB: cut to --max-mb
@@ -256,6 +258,7 @@ def exchange_worker(args):
     from Python one at a time (the host's rate) and replayed from a CUDA graph
     (the GPU's)."""
     import pycuda.driver as drv
+    from dual_mlp import barrier
     from multi_gpu.links import Layout, Peer
     from multi_gpu.worker import stopping
     from multi_gpu.stream_exchange import StreamExchange
@@ -276,7 +279,7 @@ def exchange_worker(args):
         for size in byte_sizes:
             n = size // 4
             drv.memcpy_htod(buf, allreduce_pattern(args.rank, n))
-            peer.barrier()
+            barrier(peer)
             ex.launch(stream.handle, [(int(buf), n)])  # one exchange: its result is checked
             stream.synchronize()
             got = np.empty(n, np.float32)
@@ -288,7 +291,7 @@ def exchange_worker(args):
                 ex.launch(stream.handle, [(int(buf), n)])
 
             def timed(run):  # us per exchange
-                peer.barrier()
+                barrier(peer)
                 begin.record(stream)
                 run()
                 end.record(stream)
@@ -301,7 +304,7 @@ def exchange_worker(args):
                 replay()  # the first replay uploads the graph
                 row["graph_us"] = timed(replay)
             rows.append(row)
-        peer.barrier()  # every kernel done everywhere: the buffers may go
+        barrier(peer)  # every kernel done everywhere: the buffers may go
     finally:
         ex.close()
         buf.free()
@@ -401,7 +404,7 @@ def allreduce_table(document):
     """The Markdown table of an exchange_allreduce.json."""
     timed = document["timed"]
     n = document["workers"]
-    head = (f"Measured by `{document['command']}` on {document['date'][:10]}: {n} "
+    head = (f"{measured_by(document)}: {n} "
             f"worker{'s' if n > 1 else ''} on GPU{'s' if len(set(document['gpus'])) > 1 else ''}"
             f" {' '.join(document['gpus'])}; microseconds per all-reduce, every "
             "result checked" + ("" if timed else " (workers time-sliced on one GPU: correctness "
@@ -443,7 +446,7 @@ def table(document):
     if "rows" in document:
         return allreduce_table(document)
     limit = document["link_limit_gbps"]
-    lines = [f"Measured by `{document['command']}` on {document['date'][:10]}; the link's limit "
+    lines = [f"{measured_by(document)}; the link's limit "
              f"{limit:.0f} GB/s one way ({document['link_limit_source']}); every copy checked.",
              "", "| bytes per copy | two processes, CUDA IPC (GB/s) | one process, peer copy "
              "(GB/s) | share of the link |", "| --- | --- | --- | --- |"]
@@ -466,7 +469,7 @@ def power_of_two(text):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", nargs=2, default=["0", "1"], metavar="GPU",
                         help="the two GPUs (default: 0 1)")
     parser.add_argument("--max-mb", type=power_of_two, default=256,
@@ -514,8 +517,7 @@ def allreduce_main(args):
     path = record("exchange_allreduce", args.out, block="exchange.py --allreduce", gpus=gpus,
                   workers=len(gpus), timed=not shared, link_limit_gbps=limit,
                   link_limit_source=source, mlp_bytes=MLP_BYTES, rows=rows)
-    with open(path) as f:
-        print(allreduce_table(json.load(f)))
+    print(allreduce_table(load(path)))
 
 
 def gpu_count():

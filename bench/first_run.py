@@ -19,7 +19,6 @@ Every figure is the median of its runs; the JSON keeps each run.  No GPU is
 used (the launcher is asked for ``cpu cpu``).  ``--tables-from JSON``
 regenerates the README tables from such a file.
 """
-import argparse
 import json
 import os
 import re
@@ -29,7 +28,8 @@ import sys
 import tempfile
 import time
 
-from bench.common import RESULTS, ROOT, parse_args, record
+from bench.common import RESULTS, ROOT, load, measured_by, parse_args, record
+from multi_gpu.cli import Parser
 
 BACKENDS = {"JAX (the default)": {},
             "Numba (THEANO_FLAGS=mode=NUMBA)": {"THEANO_FLAGS": "mode=NUMBA"}}
@@ -57,7 +57,7 @@ def quick_start(env, json_path, epochs=None):
     if out.returncode != 0:
         sys.exit(f"first_run.py: error: {' '.join(cmd)} failed ({out.returncode}):\n"
                  f"{out.stderr[-2000:]}")
-    compiled = re.search(r"compiled in ([\d.]+) s", out.stdout)
+    compiled = re.search(r"\.\.\. (?:compiled|loaded from .*?) in ([\d.]+) s", out.stdout)
     with open(json_path) as f:
         summary = json.load(f)
     return dict(wall_s=round(wall, 3), compile_s=float(compiled.group(1)) if compiled else None,
@@ -100,7 +100,7 @@ def measure(args, tmp):
 
 
 def table(document):
-    lines = [f"Measured by `{document['command']}` on {document['date'][:10]} "
+    lines = [f"{measured_by(document)} "
              f"({document['machine']['cpu']}, {document['cores']} cores, Python "
              f"{document['machine']['python']}); each figure the median of "
              f"{document['cold_runs']} cold, {document['warm_runs']} warm and "
@@ -116,7 +116,7 @@ def table(document):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.set_defaults(cpu=True)  # a CPU benchmark: no GPU asked for
     p.add_argument("--cold-runs", type=int, default=2, help="first runs per backend, each in "
                    "fresh private folders (default: %(default)s)")
@@ -134,8 +134,7 @@ def main():
     path = record("first_run_cpu", args.out, cpu=True, block="first_run.py", cores=os.cpu_count(),
                   cold_runs=args.cold_runs, warm_runs=args.warm_runs, speed_runs=args.speed_runs,
                   speed_epochs=args.speed_epochs, figures=figures)
-    with open(path) as f:
-        print(table(json.load(f)))
+    print(table(load(path)))
 
 
 if __name__ == "__main__":

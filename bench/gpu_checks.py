@@ -4,7 +4,6 @@
 
 Writes gpu_checks.json (date, machine, command, pass/fail counts, each test's
 outcome and seconds) and gpu_checks.log (pytest's own output)."""
-import argparse
 import os
 import re
 import signal
@@ -12,10 +11,11 @@ import subprocess
 import sys
 
 from bench.common import RESULTS, ROOT, record, require_gpus
+from multi_gpu.cli import Parser
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=RESULTS, help="folder for the results")
     parser.add_argument("-k", metavar="EXPRESSION",
                         help="only the tests pytest's -k selects (a device call has ten minutes)")

@@ -16,7 +16,6 @@ The host's time per call (the host clock around the call alone) next to the
 time per step (a sync at both ends) says which of the two bounds the loop.
 Also prints the profile of PyTensor's call path.  Writes host_time.json.
 """
-import argparse
 import cProfile
 import io
 import os
@@ -34,6 +33,7 @@ import numpy as np
 import mlp
 from multi_gpu.devices import JaxDevice, jax_train_step, storage
 from logistic_sgd import load_data
+from multi_gpu.cli import Parser
 
 
 def measure(call, steps, wait):
@@ -53,7 +53,7 @@ def measure(call, steps, wait):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--batch-size", type=int, default=5000)
     parser.add_argument("--steps", type=int, default=300)

@@ -33,7 +33,6 @@ With ``--curve`` (for bench/accuracy.py) it trains ``--epochs`` epochs at
 the first batch size from the tutorial's initial weights, in the demo's
 minibatch order, and prints the learning curve instead.
 """
-import argparse
 import collections
 import functools
 import json
@@ -43,6 +42,7 @@ import time
 import numpy as np
 
 from multi_gpu import datasets
+from multi_gpu.cli import Parser
 
 N_HIDDEN, WARM_UP = 500, 20
 DDP_GRAPH_WARM_UP = 11  # eager DDP steps before a capture, as PyTorch's CUDA graph notes ask
@@ -395,7 +395,7 @@ def ddp(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("system", choices=("torch", "torch-compile", "torch-graph", "ddp",
                                            "ddp-graph", "jax", "pytensor"))
     parser.add_argument("--dataset", required=True)

@@ -16,16 +16,15 @@ machine with ``nvidia-smi topo -m``, every figure) and ``scaling.png``;
 ``--tables-from JSON`` regenerates the tables of README.md and
 bench/README.md from such a file.
 """
-import argparse
-import json
 import os
 import subprocess
 import tempfile
 
-from bench.common import RESULTS, parse_args, pyplot, rate, rate_unit, record
+from bench.common import RESULTS, load, measured_by, parse_args, pyplot, rate, rate_unit, record
 from bench.compare import Tiles, demo, reference
 
 from multi_gpu import datasets
+from multi_gpu.cli import Parser
 
 JAX = "JAX jit over a mesh of the same devices"
 DEMO = "the demo (mlp.py on one, --exchange xla on more)"
@@ -83,7 +82,7 @@ def efficiency(figures):
 def table(document):
     """The Markdown table of a scaling.json: samples/s and efficiency by workers."""
     counts = document["workers"]
-    lines = [f"Measured by `{document['command']}` on {document['date'][:10]}; samples/s "
+    lines = [f"{measured_by(document)}; samples/s "
              "(scaling efficiency); largest weight difference between replicas under "
              "`--check`: " + ", ".join(f"{diff} with {n} workers" for n, diff in
                                        document["max_replica_diff"].items()) + ".", "",
@@ -119,7 +118,7 @@ def plot(figures, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default=datasets.SHIPPED,
                         help="a data set to tile (default: the shipped digits)")
     parser.add_argument("--cpu", action="store_true", help="1 to 3 CPU workers (CI)")
@@ -145,8 +144,7 @@ def main():
                   dataset=args.dataset, epoch_steps=args.epoch_steps, min_steps=args.steps,
                   max_replica_diff=checks, figures=efficiency(figures))
     plot(figures, os.path.join(args.out, f"{name}.png"))
-    with open(path) as f:
-        print(table(json.load(f)))
+    print(table(load(path)))
 
 
 if __name__ == "__main__":

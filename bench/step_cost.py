@@ -37,14 +37,15 @@ and device sets the pace.  Each exchange's own step counter must equal the
 averages run (once a step, or once every four).  Target: the GPU-ordered step within 1.15x
 of the plain step at every batch.  Writes ``step_cost.json`` (``step_cost_cpu.json``).
 """
-import argparse
 import statistics
 import sys
 import time
 
 import numpy as np
 
-from bench.common import RESULTS, keep_to_one_device, one_device, parse_args, record
+from bench.common import (RESULTS, keep_to_one_device, load, measured_by, one_device, parse_args,
+                          record)
+from multi_gpu.cli import Parser
 
 
 TARGET = 1.15  # for the GPU-ordered step
@@ -164,7 +165,7 @@ def figure(system, batch, k, rounds, plain=None, **more):
 
 def main():
     from multi_gpu import datasets
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default=datasets.SHIPPED,
                         help="training data (default: the shipped digits)")
     parser.add_argument("--batches", type=int, nargs="+", default=[100, 500, 5000])
@@ -236,8 +237,7 @@ def main():
                   within_target=all(f["over_plain"] <= TARGET for f in figures
                                     if f["system"] == ORDERED),
                   figures=figures)
-    print(table(dict(command=" ".join(sys.argv), device=device.description, figures=figures,
-                     rounds=args.rounds, date=time.strftime("%Y-%m-%d"))))
+    print(table(load(path)))
     return path
 
 
@@ -248,7 +248,7 @@ def table(document):
     by = {(f["system"], f["batch"], f["steps_per_call"]): f for f in figures}
     rounds = (f", the median of {document['rounds']} rounds in turn (the range of the step's)"
               if "rounds" in document else "")
-    lines = [f"Measured by `{document['command']}` on {document['date'][:10]} "
+    lines = [f"{measured_by(document)} "
              f"({document['device']}): us per step (of it, us of host time){rounds}, and its "
              "ratio to the plain step.", "",
              "| batch | steps per call | " + " | ".join(SYSTEMS) + " |",

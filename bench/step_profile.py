@@ -15,7 +15,6 @@ steps of each are profiled (``jax.profiler``) and the device's time per
 step summed by kernel.  Writes ``step_profile.json`` (command, date,
 machine, both timings, the kernels of each).
 """
-import argparse
 import collections
 import glob
 import os
@@ -24,6 +23,7 @@ import tempfile
 from bench.common import RESULTS, one_device, record, require_gpus
 
 from multi_gpu import datasets
+from multi_gpu.cli import Parser
 
 PROFILED = 50
 
@@ -52,7 +52,7 @@ def kernels(run, synchronize, cpu):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default=datasets.SHIPPED,
                         help="training data (default: the shipped digits)")
     parser.add_argument("--batch", type=int, default=20000, help="examples per step")

@@ -12,6 +12,7 @@ a word.)
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import argparse
 import contextlib
+import difflib
 import gc
 import math
 import os
@@ -22,7 +23,7 @@ import tempfile
 import threading
 import time
 
-from multi_gpu import datasets
+from multi_gpu import devices, files
 
 
 def quit_quietly(signum, frame):
@@ -40,11 +41,42 @@ def quiet_start_up():
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with errors on one line and no usage block."""
+    """argparse, with errors on one line and no usage block, no abbreviated
+    options (``--epoch 2`` is not ``--epochs 2``: a typo should not train),
+    and, for an option it does not know, the closest one it does."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, allow_abbrev=False, **kw)
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        unknown = next((a for a in extras if a.startswith("-")), None)
+        if unknown:
+            option = unknown.split("=")[0]
+            near = closest_option(option, [o for action in self._actions
+                                           for o in action.option_strings
+                                           if action.help != argparse.SUPPRESS])
+            self.error(f"unrecognized argument {option}"
+                       + (f": did you mean {near}?" if near else ""))
+        return parsed, extras
 
     def error(self, message):
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+
+def closest_option(typed, options):
+    """The option ``typed`` most likely meant: one it begins (``--epoch``),
+    one whose words' initials it is (``--lr``: --learning-rate), or the one
+    nearest in spelling (``--batchsize``); None where none is near."""
+    long = [o for o in options if o.startswith("--")]
+    word = typed.lstrip("-").lower()
+    starts = [o for o in long if o[2:].startswith(word)] if len(word) > 1 else []
+    initials = [o for o in long if len(word) > 1 and
+                "".join(w[0] for w in o[2:].split("-")) == word]
+    near = difflib.get_close_matches("--" + word, long, n=1, cutoff=0.6)
+    found = starts or initials or near
+    return found[0] if found else None
 
 
 def _number(kind, test, wanted):
@@ -104,7 +136,7 @@ def writable(path):
                                          "socket): an output goes only to a regular file")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"cannot write {path}: folder {folder} does not exist")
-    longest = os.pathconf(folder, "PC_NAME_MAX") - datasets.TEMPORARY_LONGER
+    longest = os.pathconf(folder, "PC_NAME_MAX") - files.TEMPORARY_LONGER
     if len(os.path.basename(path).encode()) > longest:
         raise argparse.ArgumentTypeError(f"{os.path.basename(path)[:40]}...: the name is too "
                                          f"long: at most {longest} bytes in {folder} (the "
@@ -166,7 +198,7 @@ def heartbeat(what, say=print, every=10.0):
     meanwhile: a compile makes hundreds of thousands of graph objects, most
     of them kept, and the collector's passes over them cost a tenth of it."""
     say(f"... {what}")
-    start, done = time.perf_counter(), threading.Event()
+    start, done, cache = time.perf_counter(), threading.Event(), dict(devices.CACHE)
 
     def beat():
         while not done.wait(every):
@@ -182,6 +214,19 @@ def heartbeat(what, say=print, every=10.0):
             gc.enable()
         done.set()
         thread.join()
+    say(f"... {compiled(time.perf_counter() - start, cache)}")
+
+
+def compiled(seconds, before):
+    """How the block of ``heartbeat`` ended: compiled, or loaded from XLA's
+    persistent cache (``devices.CACHE`` against its counts ``before``)."""
+    hits, misses = (devices.CACHE[k] - before.get(k, 0) for k in ("hits", "misses"))
+    if hits and not misses:
+        return (f"loaded from XLA's cache ({tilde(devices.jax_cache_folder())}) in "
+                f"{seconds:.1f} s, nothing compiled ({counted(hits, 'program')} read in "
+                f"{devices.CACHE['loading_s'] - before.get('loading_s', 0):.1f} s)")
+    cached = f" ({hits} of {counted(hits + misses, 'program')} from XLA's cache)" if hits else ""
+    return f"compiled in {seconds:.1f} s{cached}"
 
 
 def counted(n, one, many=None):

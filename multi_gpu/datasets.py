@@ -26,16 +26,12 @@ Run ``python -m multi_gpu.datasets download`` to fetch the full MNIST (checksums
 verified) into ``./mnist.pkl.gz``, which the demo then uses by default.
 """
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
-import argparse
-import contextlib
-import errno
 import gzip
 import hashlib
 import io
 import math
 import os
 import pickle
-import re
 import stat
 import struct
 import sys
@@ -44,6 +40,8 @@ import urllib.request
 import zlib
 
 import numpy as np
+
+from multi_gpu import files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 SHIPPED = os.path.join(ROOT, "data", "mnist_5k.pkl.gz")
@@ -71,7 +69,7 @@ def resolve(path=None):
     """
     if path:
         if not os.path.exists(path):
-            raise DatasetError(f"dataset not found: {path}")
+            raise DatasetError(f"dataset not found: {path} ({where_to_get(path)})")
         if not os.path.isdir(path):
             regular_file(path)
         return path, None
@@ -79,6 +77,15 @@ def resolve(path=None):
         return CLASSIC, None
     return SHIPPED, (f"no --dataset given and no ./{CLASSIC}: using the 5,000 shipped "
                      "MNIST digits (python -m multi_gpu.datasets download fetches the full set)")
+
+
+def where_to_get(path):
+    """How to get the data set a missing ``path`` names, in words."""
+    if "fashion" in path.lower():
+        return ("Debian's dataset-fashion-mnist package puts Fashion-MNIST in "
+                "/usr/share/datasets/fashion-mnist: apt install dataset-fashion-mnist")
+    return (f"python -m multi_gpu.datasets download fetches MNIST into ./{CLASSIC}; "
+            "leave --dataset out for the 5,000 shipped digits")
 
 
 def read(path):
@@ -270,7 +277,7 @@ def write_idx(path, array):
     header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(
         f">{array.ndim}I", *array.shape)
     data = header + np.asarray(array, np.uint8).tobytes()
-    with atomic_write(path) as f:
+    with files.atomic_write(path) as f:
         f.write(gzip.compress(data, compresslevel=1) if str(path).endswith(".gz") else data)
 
 
@@ -306,50 +313,9 @@ def read_idx_folder(folder):
             (as_rows(test_x), test_y))
 
 
-def temporary_prefix(path):
-    """The start of the names of this process's temporaries for ``path``:
-    ``.NAME.PID.`` (then 8 random characters and ``.tmp``), so that one
-    run's temporaries cannot be taken for another's or for a user's file."""
-    return f".{os.path.basename(path)}.{os.getpid()}."
-
-
-# how much longer than NAME a temporary's name is: ".NAME.PID.XXXXXXXX.tmp", pids to 7 digits
-TEMPORARY_LONGER = len("..") + 7 + len(".") + 8 + len(".tmp")
-
-
-def is_temporary_of(entry, name):
-    """The pid in ``entry`` if it is a temporary ``atomic_write`` made for ``name``, else None."""
-    found = re.fullmatch(rf"\.{re.escape(name)}\.(\d+)\.[a-z0-9_]{{8}}\.tmp", entry)
-    return int(found.group(1)) if found else None
-
-
-@contextlib.contextmanager
-def atomic_write(path):
-    """Open a temporary file beside ``path`` for writing and move it into
-    place only once it is complete: a crash leaves the old file intact.  The
-    temporary is this process's own (created ``O_EXCL``, named by
-    ``temporary_prefix``), and only a regular file, or nothing, is replaced."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                               prefix=temporary_prefix(path), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
-            raise OSError(errno.EEXIST, "not a regular file, left as it is", path)
-        os.replace(tmp, path)
-    except BaseException as e:
-        os.unlink(tmp)
-        if isinstance(e, OSError) and e.filename is None:  # a write into the file: name ours
-            raise OSError(e.errno, e.strerror, path) from None
-        raise
-
-
 def write_pickle(splits, path):
     """Write in the classic format (protocol 2 reads in Python 2, too)."""
-    with atomic_write(path) as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+    with files.atomic_write(path) as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
         pickle.dump(splits, f, protocol=2)
 
 
@@ -395,8 +361,8 @@ def make_shipped(out, seed=1234):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m multi_gpu.datasets",
-                                     description=__doc__.split("\n\n")[0])
+    from multi_gpu.cli import Parser  # cli reads data sets: imported here, not above
+    parser = Parser(prog="python -m multi_gpu.datasets", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     down = sub.add_parser("download", help="fetch the full MNIST into the classic format")
     down.add_argument("--out", default=CLASSIC, help="where to write (default: %(default)s)")

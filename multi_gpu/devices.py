@@ -17,6 +17,7 @@ back to NumPy, so that data and weights stay on the device: a shared
 variable holding a NumPy array is sent to the GPU again at every call.
 """
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags
+import collections
 import contextlib
 import math
 import os
@@ -262,11 +263,29 @@ def jax_cache_folder():
     return os.path.join(pytensor.config.base_compiledir, "jax_cache")
 
 
+# what XLA's persistent cache did in this process: programs it served ("hits"),
+# programs it had not ("misses", compiled then), and the seconds its reads took
+CACHE = collections.Counter()
+CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hits",
+                "/jax/compilation_cache/cache_misses": "misses"}
+
+
 def keep_compiled_programs(jax):
     """JAX's persistent compilation cache, for every program (not only the
-    slow ones): a second run loads its programs instead of compiling them."""
+    slow ones): a second run loads its programs instead of compiling them,
+    and ``CACHE`` counts which it did."""
     jax.config.update("jax_compilation_cache_dir", jax_cache_folder())
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    if not CACHE:  # listen once per process
+        CACHE["listening"] = 1
+        jax.monitoring.register_event_listener(
+            lambda event, **_: CACHE.update([CACHE_EVENTS[event]] if event in CACHE_EVENTS
+                                            else []))
+
+        def loading(event, seconds, **_):
+            if event == "/jax/compilation_cache/cache_retrieval_time_sec":
+                CACHE["loading_s"] += seconds
+        jax.monitoring.register_event_duration_secs_listener(loading)
 
 
 @contextlib.contextmanager

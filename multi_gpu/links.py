@@ -5,20 +5,9 @@ The pieces, each small enough to read in one go:
 ``Peer``
     zmq PAIR sockets between the workers of one machine, over ``ipc://`` in
     the run's private directory.  They carry the one-time handshake (each
-    worker's buffer handle) and, every step, the barriers: each worker sends
-    the step number to all others and waits for theirs.  Every wait has a
-    timeout.
-
-the transports through host memory (``--sync host``)
-    a worker *publishes* its weights into its own send buffer, whose address
-    never moves, and every worker *fetches* everyone's from there into its
-    receive buffer, as ``dual_mlp.CudaIpcTransport`` does between GPUs, peer
-    to peer (``host_transport`` picks one):
-
-    * ``HostTransport`` (CPU): the send buffer is a file in the run's private
-      directory that both workers map; its path is the handle.
-    * ``StagedCudaTransport`` (GPUs that cannot reach each other's memory):
-      device -> mapped host file -> device.
+    worker's buffer handle) and, every step, ``dual_mlp.barrier``'s
+    messages: each worker sends the barrier's number to all others and waits
+    for theirs.  Every wait has a timeout (``Peer.ready``).
 
 ``XlaExchange`` (``--exchange xla``)
     no home-made transport at all: the workers are the processes of one JAX
@@ -26,15 +15,15 @@ the transports through host memory (``--sync host``)
     with NCCL between GPUs or gloo between CPUs, inside the compiled step.
 
 The weights of all layers travel as one flat buffer; ``Layout`` says where
-each parameter sits in it.  ``stream_exchange.py`` holds the GPU-ordered
-variant of the peer-to-peer exchange (``--sync gpu``); ``devices.py`` the
-devices the buffers live on.
+each parameter sits in it.  The transports that move it (PyCUDA's peer
+copies, mapped files on CPUs) are in ``dual_mlp.py``; ``stream_exchange.py``
+holds the GPU-ordered variant of the peer-to-peer exchange (``--sync gpu``);
+``devices.py`` the devices the buffers live on.
 """
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import contextlib
 import os
 import pickle
-import struct
 import sys
 import threading
 import time
@@ -42,7 +31,6 @@ import time
 import numpy as np
 import zmq
 
-from multi_gpu import devices
 from multi_gpu.worker import Interrupted, quit_now, stopped_workers
 
 
@@ -77,12 +65,19 @@ class Peer:
             (socket.bind if rank == low else socket.connect)(address)
             self.sockets[other] = socket
 
-    def _wait(self, other, event, what):
+    def ready(self, other, event, what):
         """Wait, in slices, until the socket to ``other`` can send or receive
-        (``event``); a stop request or the timeout ends the wait.  (A PAIR
-        socket whose peer is gone blocks a plain send forever.)"""
+        (``event``: ``zmq.POLLOUT``, ``zmq.POLLIN``); a stop request or the
+        timeout ends the wait.  (A PAIR socket whose peer is gone blocks a
+        plain send for ever.)  A receive first spins for ``spin`` seconds."""
+        socket = self.sockets[other]
+        if event == zmq.POLLIN and self.spin:
+            spin_until = time.perf_counter() + self.spin
+            while time.perf_counter() < spin_until:
+                if socket.poll(0, event):
+                    return
         deadline = time.monotonic() + self.timeout
-        while not self.sockets[other].poll(100, event):
+        while not socket.poll(100, event):
             if self.stopping.is_set():
                 raise Interrupted
             if time.monotonic() > deadline:
@@ -91,47 +86,21 @@ class Peer:
                 raise PeerError(f"worker {late[0]} did not reach {what} within "
                                 f"{self.timeout:g} s (see --timeout)")
 
-    def _send_all(self, message, what):
-        for other, socket in self.sockets.items():
-            self._wait(other, zmq.POLLOUT, what)
-            socket.send(message, zmq.NOBLOCK)
-
-    def _recv(self, other, what):
-        deadline = time.perf_counter() + self.spin
-        while time.perf_counter() < deadline:
-            try:
-                return self.sockets[other].recv(zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-        self._wait(other, zmq.POLLIN, what)
-        return self.sockets[other].recv(zmq.NOBLOCK)
-
     def exchange(self, obj, what="the handshake"):
         """Send ``obj`` to every other worker; returns every worker's, in rank
         order, mine included (the handles, once; --check)."""
-        self._send_all(pickle.dumps(obj), what)
-        return [obj if other == self.rank else pickle.loads(self._recv(other, what))
-                for other in range(self.n)]
+        for other, socket in self.sockets.items():
+            self.ready(other, zmq.POLLOUT, what)
+            socket.send(pickle.dumps(obj), zmq.NOBLOCK)
+        theirs = {}
+        for other, socket in self.sockets.items():
+            self.ready(other, zmq.POLLIN, what)
+            theirs[other] = pickle.loads(socket.recv(zmq.NOBLOCK))
+        return [obj if other == self.rank else theirs[other] for other in range(self.n)]
 
     def gather(self, array):
         """Every worker's ``array``, stacked in rank order (for --check)."""
         return np.stack(self.exchange(array, "the replica check"))
-
-    def barrier(self):
-        """Return once every worker has called it as often as this one, with
-        the seconds spent waiting because the last one arrived later (all
-        stamp their arrival on the machine-wide monotonic clock)."""
-        self.barriers += 1
-        arrived, last = time.perf_counter(), 0.0
-        what = f"barrier {self.barriers}"
-        self._send_all(struct.pack("<qd", self.barriers, arrived), what)
-        for other in self.sockets:
-            count, their_arrival = struct.unpack("<qd", self._recv(other, what))
-            if count != self.barriers:
-                raise PeerError(f"workers out of step: at barrier {self.barriers}, "
-                                f"worker {other} is at {count}")
-            last = max(last, their_arrival)
-        return max(0.0, last - arrived)
 
     def close(self):
         # Linger a moment: a message still in flight (the last --check
@@ -165,73 +134,6 @@ class Layout:
         """Each worker's parameters (``views``), in a buffer that holds every
         worker's flat weights in rank order (a receive buffer)."""
         return [self.views(flat[w * self.size:(w + 1) * self.size]) for w in range(n_workers)]
-
-
-def host_transport(device, rundir, rank, n_workers, layout, staged):
-    """The host-ordered transports through host memory: the CPU's, and the
-    GPUs' ``staged`` fallback (the launcher chooses it where the GPUs cannot
-    reach each other's memory).  ``dual_mlp.CudaIpcTransport`` is the 2014
-    one, peer to peer."""
-    if staged:
-        return StagedCudaTransport(rundir, rank, n_workers, layout, device)
-    return HostTransport(rundir, rank, n_workers, layout, device)
-
-
-class HostTransport:
-    """CPU weights through host memory: a file in the run directory, mapped
-    by every worker, stands in for a CUDA IPC buffer; its path is the handle.
-    ``recv`` holds every worker's weights after a fetch, in rank order, this
-    worker's own included, so that every worker averages the same numbers in
-    the same order."""
-
-    route = "host memory"
-
-    def __init__(self, rundir, rank, n_workers, layout, device):
-        self.layout, self.device = layout, device
-        self.path = os.path.join(rundir, f"weights{rank}.bin")
-        self.send = np.memmap(self.path, layout.dtype, mode="w+", shape=(layout.size,))
-        self.send_views = layout.views(self.send)
-        self.recv = devices.host_buffer(n_workers * layout.size, layout.dtype)
-        self.sources = []
-
-    def handle(self):
-        return self.path
-
-    def connect(self, handles):
-        self.sources = [np.memmap(h, self.layout.dtype, mode="r", shape=(self.layout.size,))
-                        for h in handles]
-
-    def publish(self, values):
-        for view, value in zip(self.send_views, values):
-            view[...] = value
-
-    def fetch(self):
-        size = self.layout.size
-        for w, source in enumerate(self.sources):
-            self.recv[w * size:(w + 1) * size] = source
-
-    def close(self):
-        self.sources = self.send = self.send_views = None  # unmaps
-
-
-class StagedCudaTransport(HostTransport):
-    """The fallback for GPUs without peer access: each worker copies its
-    weights down into its mapped host file, the others copy them up."""
-
-    route = "host memory (staged)"
-
-    def __init__(self, rundir, rank, n_workers, layout, device):
-        super().__init__(rundir, rank, n_workers, layout, device)
-        self.recv = device.put(self.recv)  # on the GPU: the copies go up into it
-
-    def publish(self, values):
-        for view, value in zip(self.send_views, values):
-            self.device.drv.memcpy_dtoh(view, self.device.pointer(value))
-
-    def fetch(self):
-        base, nbytes = self.device.pointer(self.recv), self.layout.nbytes
-        for w, source in enumerate(self.sources):
-            self.device.drv.memcpy_htod(base + w * nbytes, source)
 
 
 class XlaExchange:

@@ -29,7 +29,7 @@ import zipfile
 
 import numpy as np
 
-from multi_gpu import cli, datasets
+from multi_gpu import cli, datasets, files
 
 
 class CheckpointError(Exception):
@@ -51,7 +51,7 @@ def save_checkpoint(path, params, best_params, **state):
     arrays.update({k: np.asarray(json.dumps(v, sort_keys=True) if k == "config" else v,
                                  np.float64 if k == "validation_errors" else None)
                    for k, v in state.items()})
-    with datasets.atomic_write(path) as f:
+    with files.atomic_write(path) as f:
         np.savez(f, **arrays)
 
 
@@ -232,7 +232,7 @@ def run_header(command):
 
 def write_json(path, document):
     """Write ``document`` as JSON, atomically (raises OSError: a full disk)."""
-    with datasets.atomic_write(path) as f:
+    with files.atomic_write(path) as f:
         f.write(json.dumps(document, indent=2).encode())
 
 
@@ -248,7 +248,7 @@ def hold(*paths, room=0):
     earlier one (opened ``O_NOFOLLOW``; a symlink or a user's file of that
     name is refused, never truncated), and it is removed only if it is
     still the one this run holds.  Once held, an earlier run's temporaries
-    (``datasets.is_temporary_of``) go, only where the run that made them is
+    (``files.is_temporary_of``) go, only where the run that made them is
     gone; and ``room`` bytes are set aside once, for real, beside each
     output: a full disk is found before training, not after."""
     paths = [os.path.abspath(p) for p in paths if p]
@@ -291,7 +291,7 @@ def lock(path, lock_path, room):
             raise CheckpointError(f"cannot write {path}: {e.strerror.lower()}") from None
         folder, name = os.path.split(path)
         for entry in os.listdir(folder):
-            pid = datasets.is_temporary_of(entry, name)
+            pid = files.is_temporary_of(entry, name)
             if pid is not None and pid != os.getpid() and not alive(pid):
                 os.unlink(os.path.join(folder, entry))
         if room:
@@ -357,7 +357,7 @@ def set_aside(path, nbytes):
     """Take ``nbytes`` beside ``path`` for real, then give them back: a full
     disk says so now (ENOSPC), not once training has run."""
     folder = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=datasets.temporary_prefix(path), suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=files.temporary_prefix(path), suffix=".tmp")
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as e:

@@ -57,9 +57,10 @@ def summarise(args, progress, trainer, n_steps, world, wall, device, say):
     """Worker 0's closing lines, and the --json summary."""
     samples_per_s = world * progress.steps * args.batch_size / progress.train_s
     step_us = dict(trainer.step_us(progress.steps), step=1e6 * progress.train_s / progress.steps)
+    lower = (" (a separate sample of images: it can come out lower than validation)"
+             if progress.test_error < progress.best_validation_error else "")
     say(f"Optimization complete. Best validation error {progress.best_validation_error * 100.:.2f}"
-        f" %, test error of that model {progress.test_error * 100.:.2f} % (a separate sample of "
-        "images: it can come out lower than validation)")
+        f" %, test error of that model {progress.test_error * 100.:.2f} %{lower}")
     say(f"Trained at {samples_per_s:,.0f} samples/s ({world} workers), {step_us['step']:.0f} us "
         "per step" + ("" if "train" not in step_us else
                       ": train {train:.0f} us, exchange {exchange:.0f} us (publish {publish:.0f} "

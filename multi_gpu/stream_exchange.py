@@ -1,7 +1,8 @@
 """The 2014 exchange, ordered by the GPUs instead of the host (``--sync gpu``).
 
-In 2014 the host ordered every step: it waited for its GPU, published,
-passed a zmq barrier, copied, passed another, averaged.  Each wait stopped
+In 2014, as under ``--sync host``, the host ordered every step: it waited
+for its GPU after each phase, passed a barrier, copied, passed another,
+averaged (``dual_mlp.HostOrdered.epoch``).  Each wait stopped
 the host from queueing the next step while the GPU ran this one, and on a
 modern GPU that lost overlap costs more than the step itself.  Here the same
 buffers and the same copies run on the GPU's own stream, as one kernel at

@@ -33,9 +33,9 @@ def main():
             values = [device.put(a) for a in arrays(rank, round_)]
             device.wait(values)
             transport.publish(values)
-            peer.barrier()
+            dual_mlp.barrier(peer)
             transport.fetch()
-            peer.barrier()
+            dual_mlp.barrier(peer)
             got = layout.slots(device.to_host(transport.recv), n)
             for worker in range(n):
                 for shape, a, b in zip(layout.shapes, got[worker], arrays(worker, round_)):

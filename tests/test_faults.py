@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from multi_gpu import datasets, records
+from multi_gpu import files, records
 from conftest import (SHAPES, assert_identical_checkpoints, corrupt_cases, dual, finish,
                       kill_one_worker, run_directories, start_checkpointing, start_dual,
                       wait_for, wait_until_training, workers_of)
@@ -131,7 +131,7 @@ def test_checkpoint_writes_are_atomic(tmp_path):
     class Crash(Exception):
         pass
     with pytest.raises(Crash):
-        with datasets.atomic_write(str(path)) as f:
+        with files.atomic_write(str(path)) as f:
             f.write(b"half a checkpoint")
             raise Crash
     current, _, state = records.load_checkpoint(str(path), SHAPES)
@@ -206,6 +206,7 @@ def test_a_barrier_timeout_names_the_worker_that_stopped_not_one_waiting_for_it(
     must be named after the worker whose heartbeat stopped (seen in CI as
     "worker 1 did not reach barrier 2").  Here worker 1 keeps its heartbeat
     and never answers, worker 2's heartbeat is a minute old."""
+    import dual_mlp
     from multi_gpu.links import Peer, PeerError
     from multi_gpu.worker import StopRequest, heartbeat_path
     for rank in (1, 2):
@@ -215,6 +216,6 @@ def test_a_barrier_timeout_names_the_worker_that_stopped_not_one_waiting_for_it(
     peer = Peer(str(tmp_path), 0, 3, 0.5, StopRequest())
     try:
         with pytest.raises(PeerError, match=r"^worker 2 did not reach barrier 1 within 0.5 s"):
-            peer.barrier()
+            dual_mlp.barrier(peer)
     finally:
         peer.close()

@@ -31,6 +31,12 @@ def one_line(out, code, *words):
         assert w in lines[0], out.stderr
 
 
+def cpu_workers(name):
+    """What the script ``name`` is given to run on the CPU: dual_mlp.py its
+    two workers' devices, a tutorial script nothing."""
+    return ["cpu", "cpu"] if name == "dual_mlp.py" else []
+
+
 def digest(path):
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
@@ -70,7 +76,7 @@ def test_a_second_run_on_a_held_checkpoint_is_refused_and_touches_nothing(tmp_pa
     writing = tmp_path / f".m.npz.{live.pid}.halfdone.tmp"  # the live run's write in progress
     writing.write_bytes(b"half a checkpoint")
     for name in ("dual_mlp.py", "mlp.py"):
-        out = script(name, *(["cpu", "cpu"] if name == "dual_mlp.py" else []), "--epochs", 1,
+        out = script(name, *cpu_workers(name), "--epochs", 1,
                      "--save", ckpt, timeout=60)
         one_line(out, 2, f"{ckpt} is being written by another run (pid {live.pid})")
     assert writing.exists() and live.poll() is None
@@ -314,7 +320,7 @@ def test_a_device_node_as_an_output_is_refused_and_stays_a_device(tmp_path, opti
     node = tmp_path / "null"
     os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
     for name in ("dual_mlp.py", "mlp.py"):
-        out = script(name, *(["cpu", "cpu"] if name == "dual_mlp.py" else []), "--epochs", 1,
+        out = script(name, *cpu_workers(name), "--epochs", 1,
                      option, node, timeout=60)
         one_line(out, 2, f"{node} is not a regular file (a device, FIFO or socket)")
         assert stat.S_ISCHR(os.stat(node).st_mode)
@@ -394,7 +400,7 @@ def test_a_summary_may_not_overwrite_a_live_runs_checkpoint(tmp_path, no_leftove
     ckpt = tmp_path / "m.npz"
     live = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000)
     for name in ("dual_mlp.py", "mlp.py"):
-        out = script(name, *(["cpu", "cpu"] if name == "dual_mlp.py" else []), "--epochs", 1,
+        out = script(name, *cpu_workers(name), "--epochs", 1,
                      "--json", ckpt, timeout=60)
         one_line(out, 2, f"{ckpt} is being written by another run (pid {live.pid})")
     live.send_signal(signal.SIGINT)
@@ -404,7 +410,7 @@ def test_a_summary_may_not_overwrite_a_live_runs_checkpoint(tmp_path, no_leftove
 
 @pytest.mark.parametrize("name", ["dual_mlp.py", "mlp.py"])
 def test_a_name_too_long_for_its_temporary_is_refused_before_anything_runs(tmp_path, name):
-    out = script(name, *(["cpu", "cpu"] if name == "dual_mlp.py" else []), "--epochs", 1,
+    out = script(name, *cpu_workers(name), "--epochs", 1,
                  "--save", tmp_path / ("c" * 245), timeout=60)
     one_line(out, 2, "the name is too long: at most")
     assert not list(tmp_path.iterdir())
@@ -433,7 +439,7 @@ SMALL_DISK = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare")
 def test_a_disk_without_room_for_a_checkpoint_is_found_before_training(tmp_path, name):
     disk = tmp_path / "disk"
     out = on_a_small_disk(disk, "2m", f"{sys.executable} {ROOT / name} "
-                          f"{'cpu cpu' if name == 'dual_mlp.py' else ''} --epochs 1 "
+                          f"{' '.join(cpu_workers(name))} --epochs 1 "
                           f"--save {disk}/m.npz")
     one_line(out, 2, f"cannot write {disk}/m.npz: no space left on device")
     assert "training" not in out.stdout
@@ -567,7 +573,7 @@ def test_a_variable_or_a_timeout_nothing_can_take_is_one_line(name, env, args, w
 def test_a_closed_stdout_ends_quietly(name, tmp_path):
     """Started with its standard output closed (``>&-``), a run trains and
     writes its files, with nothing on its error output."""
-    run = (f"exec {sys.executable} {ROOT / name} {'cpu cpu' if name == 'dual_mlp.py' else ''} "
+    run = (f"exec {sys.executable} {ROOT / name} {' '.join(cpu_workers(name))} "
            f"--epochs 1 --json {tmp_path / 'run.json'} >&-")
     out = subprocess.run(["sh", "-c", run], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env=dict(os.environ, DUAL_MLP_TESTS=TOKEN))
@@ -597,7 +603,7 @@ def test_divergence_is_caught_by_its_cost_and_names_what_was_large(tmp_path, no_
 @pytest.mark.parametrize("name", ["dual_mlp.py", "mlp.py"])
 def test_a_model_too_big_for_memory_is_refused_before_it_is_built(name):
     """(Built, it would end in the kernel's OOM killer: exit 137, no word.)"""
-    out = script(name, *(["cpu", "cpu"] if name == "dual_mlp.py" else []), "--n-hidden",
+    out = script(name, *cpu_workers(name), "--n-hidden",
                  20000000, "--epochs", 1, timeout=60)
     one_line(out, 2, "the model with --n-hidden 20000000 needs about", "GiB available")
 
@@ -622,7 +628,7 @@ def test_a_run_leaves_nothing_in_the_temporary_folder(tmp_path, name, backend):
     private = tmp_path / "tmp"
     private.mkdir()
     env = dict(TMPDIR=str(private), **({"THEANO_FLAGS": backend} if backend else {}))
-    out = script(name, *(["cpu", "cpu"] if name == "dual_mlp.py" else []), "--epochs", 1,
+    out = script(name, *cpu_workers(name), "--epochs", 1,
                  env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert sorted(p.name for p in private.iterdir()) == []

@@ -1,0 +1,118 @@
+"""The files the demo writes: its run's private folder, safe from other
+users, and its outputs, written whole or not at all.
+
+A run's sockets, weight buffers, heartbeats and request live in one folder
+in ``/dev/shm`` (or on disk).  Other people may have accounts on the same
+machine, so the folder follows the rule OpenSSH and PostgreSQL keep for
+their private files: its owner makes it, exclusively (``mkdir`` fails if
+the name is taken), mode 0700, before its name is shown anywhere; and every
+process that uses it first checks that it is what it should be: a
+directory, not a symbolic link, owned by this user, mode 0700
+(``check_folder``).  Once it is, nobody else can make, replace or link
+anything inside; the files in it are still opened without following links
+and checked as they are opened (``new_file``, ``open_file``).
+
+An output (a checkpoint, a summary) is written into a temporary file of
+this process's own beside it and renamed into place once complete
+(``atomic_write``): a crash leaves the previous file as it was.
+"""
+from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import contextlib
+import errno
+import os
+import re
+import stat
+import tempfile
+
+
+class NotPrivate(Exception):
+    """The run folder, or a file in it, is not this user's alone: one line."""
+
+
+def make_folder(path):
+    """Make the private folder ``path``: fails if anything is there already
+    (another user's folder, file or link of that name), never reuses it."""
+    os.mkdir(path, 0o700)  # umask only takes bits away: 0700 or less
+    os.chmod(path, 0o700, follow_symlinks=False)
+    check_folder(path)
+
+
+def check_folder(path):
+    """Refuse a run folder that is not this user's alone (``NotPrivate``)."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise NotPrivate(f"{path} is not a folder (a symbolic link?): not this run's folder")
+    if st.st_uid != os.geteuid():
+        raise NotPrivate(f"{path} belongs to uid {st.st_uid}, not to this user "
+                         f"({os.geteuid()}): not this run's folder")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        raise NotPrivate(f"{path} has mode {stat.S_IMODE(st.st_mode):o}, not 700: other "
+                         "users could reach into it")
+
+
+def _checked(fd, path):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise NotPrivate(f"{path} is not a regular file of this user's")
+    return fd
+
+
+FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def new_file(path, size=0, text=False):
+    """A new file in the run folder, made here and only here (``O_EXCL``, no
+    link followed, mode 0600), ``size`` bytes of zeros, open for writing."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | FLAGS, 0o600)
+    if size:
+        os.ftruncate(fd, size)
+    return os.fdopen(fd, "w" if text else "r+b")
+
+
+def open_file(path, text=False):
+    """A file of the run folder, opened for reading without following a link,
+    and only if it is a regular file of this user's."""
+    return os.fdopen(_checked(os.open(path, os.O_RDONLY | FLAGS), path),
+                     "r" if text else "rb")
+
+
+def temporary_prefix(path):
+    """The start of the names of this process's temporaries for ``path``:
+    ``.NAME.PID.`` (then 8 random characters and ``.tmp``), so that one
+    run's temporaries cannot be taken for another's or for a user's file."""
+    return f".{os.path.basename(path)}.{os.getpid()}."
+
+
+# how much longer than NAME a temporary's name is: ".NAME.PID.XXXXXXXX.tmp", pids to 7 digits
+TEMPORARY_LONGER = len("..") + 7 + len(".") + 8 + len(".tmp")
+
+
+def is_temporary_of(entry, name):
+    """The pid in ``entry`` if it is a temporary ``atomic_write`` made for ``name``, else None."""
+    found = re.fullmatch(rf"\.{re.escape(name)}\.(\d+)\.[a-z0-9_]{{8}}\.tmp", entry)
+    return int(found.group(1)) if found else None
+
+
+@contextlib.contextmanager
+def atomic_write(path):
+    """Open a temporary file beside ``path`` for writing and move it into
+    place only once it is complete: a crash leaves the old file intact.  The
+    temporary is this process's own (created ``O_EXCL``, named by
+    ``temporary_prefix``), and only a regular file, or nothing, is replaced."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                               prefix=temporary_prefix(path), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+            raise OSError(errno.EEXIST, "not a regular file, left as it is", path)
+        os.replace(tmp, path)
+    except BaseException as e:
+        os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:  # a write into the file: name ours
+            raise OSError(e.errno, e.strerror, path) from None
+        raise
