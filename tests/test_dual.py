@@ -128,24 +128,3 @@ def test_cpu_workers_compile_with_jax_and_keep_it_numba_one_flag_away(tmp_path):
     assert runs["default"]["validation_errors"] == runs["fast_run"]["validation_errors"]
     assert runs["default"]["validation_errors"] == pytest.approx(runs["numba"]["validation_errors"],
                                                                  abs=0.003)
-
-
-def test_the_readme_shows_what_the_quick_start_prints():
-    """README.md's example output is what `python dual_mlp.py` prints today,
-    line for line, numbers aside (the speeds are the machine's)."""
-    import re
-
-    from conftest import ROOT
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("The first run on a 2-core machine, its caches empty:\n\n```\n",
-                         1)[1].split("```", 1)[0]
-    example = [line for line in block.splitlines() if line != "..."]
-    out = dual(timeout=300)
-    assert out.returncode == 0, out.stderr
-    shape = lambda line: re.sub(r"\d[\d,.]*", "#", line)  # noqa: E731
-    printed = [shape(line) for line in out.stdout.splitlines()
-               if not line.startswith("... still compiling")]  # a slow first compile's beats
-    assert len(printed) == len(example) + 6  # the six epoch lines the README leaves out
-    assert all(shape(line) in printed for line in example), (example, printed)
-    assert printed[:6] == [shape(line) for line in example[:6]]
-    assert printed[-3:] == [shape(line) for line in example[-3:]]

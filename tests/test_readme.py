@@ -1,0 +1,128 @@
+"""The READMEs are true: the Quick start prints what README.md shows, every
+command in them runs as typed from the repository's root, every results file
+they name is in git, and every table is what its results file generates."""
+import importlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, dual
+
+READMES = (ROOT / "README.md", ROOT / "bench" / "README.md")
+
+
+def test_the_readme_shows_what_the_quick_start_prints(tmp_path):
+    """README.md's example output is what `python dual_mlp.py` prints on its
+    first run (caches empty: a private HOME), line for line, numbers aside
+    (the speeds are the machine's).  The compile line may add how many of
+    its programs the other worker had put in the cache just before."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("The first run, its caches empty\n(this 2-core machine):\n\n```\n",
+                         1)[1].split("```", 1)[0]
+    example = [line for line in block.splitlines() if line != "..."]
+    out = dual(env={"HOME": str(tmp_path)}, timeout=300)
+    assert out.returncode == 0, out.stderr
+
+    def shape(line):
+        line = re.sub(r" \(\d+ of \d+ programs from XLA's cache\)$", "", line)
+        return re.sub(r"\d[\d,.]*", "#", line)
+    printed = [shape(line) for line in out.stdout.splitlines()
+               if not line.startswith("... still compiling")]  # a slow first compile's beats
+    assert len(printed) == len(example) + 7  # the seven epoch lines the README leaves out
+    assert all(shape(line) in printed for line in example), (example, printed)
+    assert printed[:7] == [shape(line) for line in example[:7]]
+    assert printed[-3:] == [shape(line) for line in example[-3:]]
+
+
+def test_the_readme_is_a_page():
+    assert len((ROOT / "README.md").read_bytes()) <= 15 * 1024
+
+
+def commands():
+    """Every ``python ...`` command of both READMEs: each line of their code
+    blocks (comments and ``VAR=value`` prefixes aside, ``&&`` chains split)
+    and each "Measured by" line's."""
+    found = []
+    for readme in READMES:
+        text = readme.read_text()
+        for block in re.findall(r"^```\n(.*?)^```", text, re.S | re.M):
+            for line in block.splitlines():
+                for part in line.split(" #")[0].split("&&"):
+                    words = shlex.split(part)
+                    while words and re.fullmatch(r"\w+=\S*", words[0]):
+                        words.pop(0)
+                    if words and words[0] == "python":
+                        found.append((readme.name, words))
+        found += [(readme.name, shlex.split(c)) for c in re.findall(r"Measured by `([^`]+)`", text)]
+    return found
+
+
+def program(words):
+    """What a command runs: ``dual_mlp.py``, or ``-m bench.compare``."""
+    return words[1:3] if words[1] == "-m" else words[1:2]
+
+
+def test_every_python_command_in_the_readmes_runs_as_typed():
+    """Each program a README runs answers ``--help`` with exit 0 from the
+    repository's root, and knows every option the README gives it (no
+    abbreviations are accepted, so each is an option's full name)."""
+    found = commands()
+    assert len(found) > 20, found
+    helps = {}
+    for _, words in found:
+        key = tuple(program(words))
+        if key not in helps:
+            out = subprocess.run([sys.executable, *key, "--help"], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=120)
+            assert out.returncode == 0, (key, out.stderr)
+            helps[key] = out.stdout
+    for readme, words in found:
+        key = tuple(program(words))
+        for option in (w.split("=")[0] for w in words[1 + len(key):] if w.startswith("--")):
+            assert re.search(rf"(^|[\s\[]){re.escape(option)}\b", helps[key]), (readme, words,
+                                                                                option)
+
+
+def tracked(path):
+    return subprocess.run(["git", "ls-files", "--error-unmatch", path], cwd=ROOT,
+                          capture_output=True).returncode == 0 or \
+        subprocess.run(["git", "ls-files", path], cwd=ROOT, capture_output=True,
+                       text=True).stdout.strip() != ""
+
+
+def test_every_results_file_a_readme_names_is_in_git():
+    named = set()
+    for readme in READMES:
+        text = readme.read_text()
+        named |= set(re.findall(r"bench/results/[\w./-]*\w/?", text))
+        if readme.parent.name == "bench":  # its table's last column names the files alone
+            for row in re.findall(r"^\|.*\| ([^|]*) \|$", text, re.M):
+                named |= {f"bench/results/{n}" for n in re.findall(r"`([^`]+)`", row)}
+    assert len(named) > 10, named
+    missing = sorted(path for path in named if not tracked(path))
+    assert missing == [], missing
+
+
+def blocks():
+    """(README, block name, text) of every generated block."""
+    for readme in READMES:
+        for name, text in re.findall(r"<!-- (.+?): begin -->\n(.*?)\n<!-- \1: end -->",
+                                     readme.read_text(), re.S):
+            yield readme.name, name, text
+
+
+@pytest.mark.parametrize("readme, name, text", list(blocks()),
+                         ids=[f"{r}:{n}" for r, n, _ in blocks()])
+def test_every_generated_table_is_what_its_results_file_generates(readme, name, text):
+    """Regenerated from the results file its first line names, with the
+    table function of the script that wrote it, the block is what it is."""
+    from bench import common
+    source = re.match(r"Measured by `[^`]+` on [^`]+ `(bench/results/[^`]+\.json)`", text)
+    assert source, text.splitlines()[0]
+    document = common.load(ROOT / source.group(1))
+    assert common.block_name(document, name.split()[0]) == name
+    module = importlib.import_module("bench." + name.split(".py")[0])
+    assert module.table(document) == text
