@@ -85,7 +85,6 @@ import argparse
 import functools
 import os
 import shlex
-import shutil
 import struct
 import sys
 import time
@@ -509,7 +508,7 @@ def worker(args, rank, world, dev, rundir, watchdog):
     say = print if rank == 0 else (lambda *a, **k: None)  # only global rank 0 prints
     with ExitStack() as cleanup:
         # JAX's distributed runtime must start before anything else touches JAX
-        xla = XlaExchange(args.coordinator, world, rank, args.timeout, dev == "cpu",
+        xla = XlaExchange(args.jax_coordinator, world, rank, args.timeout, dev == "cpu",
                           args.nodes == 1) \
             if args.exchange == "xla" else None
         device = devices.open_device(dev, jax_on_cpu=xla is not None)
@@ -571,8 +570,8 @@ def main(argv=None):
     cli.quiet_start_up()
     args = parse_args(argv)
     if args.worker:
-        index, rundir, launcher_pid = args.worker
-        return run_worker(worker, int(index), rundir, int(launcher_pid),
+        index, launcher_pid = args.worker
+        return run_worker(worker, int(index), int(launcher_pid),
                           (PeerError, records.CheckpointError, datasets.DatasetError,
                            report.Diverged))
     started = time.perf_counter()
@@ -585,12 +584,17 @@ def main(argv=None):
             run.enter_context(records.hold(args.save, args.json,
                                            room=records.checkpoint_bytes(shapes)))
             rundir, folder_notice = launcher.run_folder(args, shapes)
-            run.callback(shutil.rmtree, rundir, ignore_errors=True)
-            if args.nodes > 1 and args.node_rank == 0:  # the others prove they belong here
-                run.enter_context(launcher.Lobby(args.coordinator, args.run_options, args.nodes))
+            if args.exchange == "xla" and not args.jax_coordinator:  # one machine
+                args.jax_coordinator = launcher.private_coordinator(rundir)
+            if args.nodes > 1:  # the others prove they belong here: they hold the run's secret
+                secret, notice = launcher.run_secret(args)
+                notices.append(notice)
+            if args.nodes > 1 and args.node_rank == 0:
+                run.enter_context(launcher.Lobby(args.coordinator, args.run_options, args.nodes,
+                                                 secret, args.jax_coordinator))
             elif args.nodes > 1:
-                launcher.enter_lobby(args.coordinator, args.node_rank, args.run_options,
-                                     args.timeout)
+                args.jax_coordinator = launcher.enter_lobby(
+                    args.coordinator, args.node_rank, args.run_options, args.timeout, secret)
         except (launcher.UsageError, datasets.DatasetError, records.CheckpointError,
                 launcher.NoAnswer) as e:
             print(f"dual_mlp.py: error: {e}", file=sys.stderr)
@@ -677,10 +681,16 @@ def parse_args(argv=None):
                         "devices, the same number on each (default: %(default)s)")
     p.add_argument("--node-rank", type=int, default=0,
                    help="this machine's number, 0..nodes-1; node 0 hosts the coordinator")
+    p.add_argument("--secret-file", metavar="PATH",
+                   help="--nodes > 1: a file (mode 600) holding the run's secret, which every "
+                        "node must hold to join (else DUAL_MLP_SECRET; node 0 makes one and "
+                        "prints it where neither is given)")
     p.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="--exchange xla: where node 0's coordinator listens, and only there "
-                        "(default, one machine: 127.0.0.1 on a free port)")
-    p.add_argument("--worker", nargs=3, metavar=("INDEX", "RUNDIR", "LAUNCHER_PID"),
+                   help="several machines: node 0's address, where its lobby listens (the "
+                        "nodes prove they hold the run's secret there, and learn where JAX's "
+                        "coordinator is); one machine, --exchange xla: JAX's coordinator's own "
+                        "address (default: a socket in the run's private folder)")
+    p.add_argument("--worker", nargs=2, metavar=("INDEX", "LAUNCHER_PID"),
                    help=argparse.SUPPRESS)
     return p.parse_args(argv)
 

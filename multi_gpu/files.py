@@ -21,6 +21,7 @@ import contextlib
 import errno
 import os
 import re
+import shutil
 import stat
 import tempfile
 
@@ -48,6 +49,16 @@ def check_folder(path):
     if stat.S_IMODE(st.st_mode) != 0o700:
         raise NotPrivate(f"{path} has mode {stat.S_IMODE(st.st_mode):o}, not 700: other "
                          "users could reach into it")
+
+
+def remove_folder(path):
+    """Remove the run folder ``path`` and all in it, where it is this user's
+    alone (``check_folder``); another user's, or a link, is left as it is."""
+    try:
+        check_folder(path)
+    except (OSError, NotPrivate):
+        return
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _checked(fd, path):

@@ -12,6 +12,7 @@ boundary.
 """
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags, before PyTensor
 import collections
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -22,6 +23,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -30,9 +32,10 @@ import time
 
 import pytensor
 
-from multi_gpu import cli, datasets, devices, records
+from multi_gpu import cli, datasets, devices, files, records
 from multi_gpu.trainer import steps_per_epoch
-from multi_gpu.worker import fault_point, fault_spec_problem, request_stop, stopping
+from multi_gpu.worker import (RUN_FOLDER_VARIABLE, fault_point, fault_spec_problem, request_stop,
+                              stopping)
 
 
 class UsageError(Exception):
@@ -85,10 +88,10 @@ def peer_access(a, b):
     return a == b or drv.Device(a).can_access_peer(drv.Device(b))
 
 
-def free_port():
-    """A port on 127.0.0.1 that nobody listens on now."""
+def free_port(host="127.0.0.1"):
+    """A port on ``host`` that nobody listens on now."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -98,15 +101,14 @@ def host_and_port(address):
     return (host, int(port)) if host and port.isdigit() and 0 < int(port) < 65536 else None
 
 
-def lobby_address(coordinator):
-    """Where node 0's ``Lobby`` listens: beside the coordinator, one port up."""
-    host, port = host_and_port(coordinator)
-    return f"{host}:{port + 1}"
+def private_coordinator(rundir):
+    """Where JAX's coordinator listens on one machine: a Unix socket in the
+    run's private folder, which no other user can reach (gRPC takes
+    ``unix:`` addresses), not a TCP port on the loopback, which any can."""
+    return "unix:" + os.path.join(rundir, COORDINATOR_SOCKET)
 
 
-def free_local_address():
-    """127.0.0.1 and a free port, for a one-machine coordinator."""
-    return f"127.0.0.1:{free_port()}"
+COORDINATOR_SOCKET = "coordinator.sock"
 
 
 def check_exchange(args, world, gpus):
@@ -227,6 +229,10 @@ def check_resume(args, shapes):
     if saved is None:
         return (f"notice: {args.resume} does not record how it was trained (an older "
                 "checkpoint): resuming with the options given")
+    if not saved["dataset"].startswith(datasets.FINGERPRINT):
+        raise UsageError(f"{args.resume} was written by an older version of the demo, whose "
+                         "data set fingerprint sampled 256 rows: this one cannot tell whether "
+                         "it was trained on this data set; start anew")
     fixed = [k for k in TRAINED_WITH if k != "learning_rate"]
     if differences(saved, args.trained_with, fixed):
         raise UsageError(f"{args.resume} was trained otherwise: "
@@ -258,23 +264,99 @@ def check_port(address):
                          "there, or not this machine's address? see --coordinator") from None
 
 
-class Lobby:
-    """Node 0's door to a run of several machines, at the coordinator's port
-    + 1: a node shows its run options (``RUN_OPTIONS``, with the data set's
-    fingerprint) and its node rank, and is let in only where the options are
-    node 0's and the rank is free.  A foreign run started on the same port,
-    or a node given another option, is so refused in one line before it
-    reaches JAX's coordinator, where it would end the live run."""
+SECRET_VARIABLE = "DUAL_MLP_SECRET"  # the run's secret, for the nodes of a run of several
+SHORTEST_SECRET = 16                 # characters: fewer could be guessed
 
-    def __init__(self, coordinator, options, nodes):
+
+def run_secret(args):
+    """The secret the nodes of a run on several machines share, and the
+    notice that tells it where node 0 made it: from ``--secret-file`` (a
+    file only this user can read, as ssh wants of a key), else from
+    ``DUAL_MLP_SECRET``, else, on node 0, a new one.  Never from the
+    command line, which every user of a machine can read."""
+    if args.secret_file:
+        try:
+            fd = os.open(args.secret_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            raise UsageError(f"--secret-file {args.secret_file}: {e.strerror.lower()}") from None
+        with os.fdopen(fd) as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise UsageError(f"--secret-file {args.secret_file} must be a regular file of "
+                                 "yours that nobody else can read or write (chmod 600)")
+            secret = f.read(4096).strip()
+    else:
+        secret = os.environ.get(SECRET_VARIABLE, "").strip()
+    if secret:
+        if len(secret) < SHORTEST_SECRET:
+            raise UsageError(f"the run's secret is too short to keep strangers out: at least "
+                             f"{SHORTEST_SECRET} characters")
+        return secret, None
+    if args.node_rank != 0:
+        raise UsageError(f"node {args.node_rank} needs the run's secret: start it with "
+                         f"{SECRET_VARIABLE}=<the secret node 0 printed> or --secret-file FILE")
+    secret = secrets.token_urlsafe(24)
+    return secret, (f"the run's secret, which the other nodes must be given: {SECRET_VARIABLE}="
+                    f"{secret} (in their environment, or in a file of mode 600 named by "
+                    "--secret-file), never on a command line")
+
+
+def curve_keys(secret):
+    """The one CURVE key pair every node of a run derives from its secret:
+    (public, secret key), Z85.  ZeroMQ's CURVE handshake proves that each
+    side holds the secret key without sending it, then encrypts the rest."""
+    import zmq
+    from zmq.utils import z85
+    private = z85.encode(hashlib.sha256(b"dual_mlp lobby\0" + secret.encode()).digest())
+    return zmq.curve_public(private), private
+
+
+class OnlyTheRun:
+    """The lobby's ZAP policy: a client is let in only with the run's key."""
+
+    def __init__(self, public):
+        self.public = public
+
+    def callback(self, domain, key):
+        return key == self.public
+
+
+LOBBY_MESSAGE_LIMIT = 1 << 16  # bytes: a node's options fit many times over
+HANDSHAKE_MS = 5000            # a connection that has not proved itself by then is dropped
+
+
+class Lobby:
+    """Node 0's door to a run of several machines, at ``--coordinator``.
+
+    A node first proves it holds the run's secret: the lobby is a zmq
+    socket under ZeroMQ's CURVE security, its key pair and the only client
+    key it lets in derived from the secret (``curve_keys``), so a stranger's
+    handshake fails before a byte of a message is read, and the stranger
+    learns nothing.  Then the node shows its run options (``RUN_OPTIONS``,
+    with the data set's fingerprint) and its node rank, and is let in only
+    where the options are node 0's and the rank is free; it is then told
+    where JAX's coordinator listens (a port of node 0's own choosing).
+    Messages are bounded, a connection that does not finish its handshake
+    within seconds is dropped, and the door stays open for the run's nodes."""
+
+    def __init__(self, address, options, nodes, secret, jax_coordinator):
         import zmq
-        self.address, self.options, self.joined = lobby_address(coordinator), options, {0}
-        self.nodes = nodes
-        check_port(self.address)
+        import zmq.auth.thread
+        self.address, self.options, self.joined, self.nodes = address, options, {0}, nodes
+        self.jax_coordinator = jax_coordinator
+        check_port(address)
+        public, private = curve_keys(secret)
         self.context = zmq.Context()
+        self.auth = zmq.auth.thread.ThreadAuthenticator(self.context)
+        self.auth.start()
+        self.auth.configure_curve_callback("*", OnlyTheRun(public))
         self.socket = self.context.socket(zmq.REP)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(f"tcp://{self.address}")
+        self.socket.curve_secretkey, self.socket.curve_publickey = private, public
+        self.socket.curve_server = True
+        for option, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, LOBBY_MESSAGE_LIMIT),
+                              (zmq.HANDSHAKE_IVL, HANDSHAKE_MS)):
+            self.socket.setsockopt(option, value)
+        self.socket.bind(f"tcp://{address}")
         self.open = True
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -286,9 +368,10 @@ class Lobby:
             message = self.socket.recv()
             try:
                 why = self.judge(message)
-            except Exception:  # whatever a stranger sends is answered, and the door stays open
+            except Exception:  # whatever a node sends is answered, and the door stays open
                 why = "not a dual_mlp.py node"
-            self.socket.send_json({"why": why})
+            self.socket.send_json({"why": why, "jax_coordinator": None if why else
+                                   self.jax_coordinator})
 
     def judge(self, message):
         """Why a visitor may not join (None: it has joined)."""
@@ -312,6 +395,7 @@ class Lobby:
         self.open = False
         self.thread.join()
         self.socket.close()
+        self.auth.stop()
         self.context.term()
 
 
@@ -319,29 +403,43 @@ class NoAnswer(Exception):
     """Node 0 never answered: a run that did not happen (the launcher exits 1)."""
 
 
-def enter_lobby(coordinator, node_rank, options, timeout):
-    """Node ``node_rank`` asks node 0's lobby to let it in (``Lobby``)."""
+def enter_lobby(address, node_rank, options, timeout, secret):
+    """Node ``node_rank`` asks node 0's lobby at ``address`` to let it in
+    (``Lobby``); returns where JAX's coordinator listens."""
     import zmq
-    address = lobby_address(coordinator)
+    import zmq.utils.monitor
+    public, private = curve_keys(secret)
     context = zmq.Context()
     socket = context.socket(zmq.REQ)
+    socket.curve_serverkey, socket.curve_publickey, socket.curve_secretkey = public, public, \
+        private
     socket.setsockopt(zmq.LINGER, 0)
+    monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                        | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
     try:
         socket.connect(f"tcp://{address}")
         socket.send(json.dumps({"node_rank": node_rank, "options": options}).encode())
         deadline = time.monotonic() + timeout
         while not socket.poll(100):
+            if monitor.poll(0):
+                raise UsageError(f"refused by node 0 at {address}: the handshake failed: this "
+                                 "node does not hold the run's secret (give it the one node 0 "
+                                 f"printed, in {SECRET_VARIABLE} or --secret-file)")
             if stopping.is_set():
                 raise UsageError("interrupted while waiting for node 0")
             if time.monotonic() > deadline:
                 raise NoAnswer(f"node 0 did not answer at {address} within {timeout:g} s (is "
                                "it started, and can this machine reach it? see --timeout)")
-        why = json.loads(socket.recv())["why"]
+        answer = json.loads(socket.recv())
     finally:
+        socket.disable_monitor()
+        monitor.close()
         socket.close()
         context.term()
-    if why:
-        raise UsageError(f"refused by node 0 at {address}: {why}")
+    if answer["why"]:
+        raise UsageError(f"refused by node 0 at {address}: {answer['why']}")
+    return answer["jax_coordinator"]
 
 
 def check_steps_per_call(args, n_steps, default):
@@ -418,9 +516,15 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
     args.local_workers = len(args.devices)
     args.run_options = {k: args.trained_with[k] if k in TRAINED_WITH else getattr(args, k)
                         for k in RUN_OPTIONS}
-    if args.exchange == "xla" and not args.coordinator:
-        args.coordinator = free_local_address()
-    elif args.exchange == "xla" and args.node_rank == 0:
+    # JAX's coordinator: on one machine as given, else in the run folder
+    # (``private_coordinator``, once it is named); on several, on node 0 at a port
+    # of its own choosing, which the lobby tells only the run's nodes
+    args.jax_coordinator = args.coordinator if args.nodes == 1 else None
+    if args.nodes > 1 and args.node_rank == 0:
+        check_port(args.coordinator)
+        host = host_and_port(args.coordinator)[0]
+        args.jax_coordinator = f"{host}:{free_port(host)}"
+    elif args.coordinator and args.exchange == "xla" and args.nodes == 1:
         check_port(args.coordinator)
     return [n for n in notices if n]
 
@@ -464,10 +568,13 @@ class Worker:
         self.rank, self.dev = rank, dev
         # A process group of its own: a terminal's Ctrl-C reaches the launcher
         # alone, which stops every worker, whatever each is doing just then.
+        # The run folder's name goes in the environment, which only this user
+        # can read: a command line is every user's to read in /proc.
         self.proc = subprocess.Popen(
-            [sys.executable, script, "--worker", str(index), rundir, str(os.getpid())],
-            env=worker_environment(dev, n_local, one_machine), stderr=subprocess.PIPE, text=True,
-            process_group=0)
+            [sys.executable, script, "--worker", str(index), str(os.getpid())],
+            env=dict(worker_environment(dev, n_local, one_machine),
+                     **{RUN_FOLDER_VARIABLE: rundir}),
+            stderr=subprocess.PIPE, text=True, process_group=0)
         self.tail = collections.deque(maxlen=200)
         self.pump = threading.Thread(target=self._pass_stderr, daemon=True)
         self.pump.start()
@@ -531,7 +638,8 @@ def run_folder(args, shapes):
     folder = shm or tempfile.gettempdir()
     name = f"dual_mlp-{os.getpid()}-{secrets.token_hex(8)}"
     n = len(args.devices)
-    socket = os.path.join(folder, name, f"peer-{n - 2}-{n - 1}.sock")  # the longest path
+    socket = os.path.join(folder, name, max(f"peer-{n - 2}-{n - 1}.sock", COORDINATOR_SOCKET,
+                                            key=len))  # the longest path
     if len(socket.encode()) > SOCKET_PATH_MAX:
         if folder == "/tmp" or not os.access("/tmp", os.W_OK):
             raise UsageError(f"{folder} is too deep a folder for the run's sockets (a path of "
@@ -547,29 +655,41 @@ def run_folder(args, shapes):
 
 
 def launch(args, script, rundir):
-    """Start the workers (``script --worker INDEX RUNDIR LAUNCHER_PID``), then
-    make the run folder and leave the request there, and wait; if one fails,
-    stop the others at once.  Returns the exit code.
+    """Start the workers (``script --worker INDEX LAUNCHER_PID``, the run
+    folder's name in their environment), then make the run folder and leave
+    the request there, and wait; if one fails, stop the others at once.
+    Returns the exit code.
 
     In that order, wherever this launcher dies (even by SIGKILL), a worker
     is there to remove the folder: each waits for the request only while
     its launcher lives, and one that finds itself orphaned, or that Linux
-    tells, removes the folder before it goes (``run_worker``)."""
+    tells, removes the folder before it goes (``run_worker``).  The name is
+    unguessable and shown nowhere another user can read, and the folder is
+    made exclusively (``files.make_folder``): one that is there already is
+    someone else's, and is left as it is."""
     cli.install_stop_handler(request_stop)
-    workers, n_local = [], len(args.devices)
+    workers, n_local, made = [], len(args.devices), False
     try:
         workers = [Worker(script, i, args.node_rank * n_local + i, dev, rundir, n_local,
                           args.nodes == 1) for i, dev in enumerate(args.devices)]
         fault_point("launcher", "spawned")
-        os.mkdir(rundir, 0o700)  # fails if anything is there: the name is this run's alone
+        try:
+            files.make_folder(rundir)
+        except FileExistsError:
+            stop(workers)
+            print(f"error: the run folder {rundir} exists already, made by someone else: the "
+                  "run stops and leaves it as it is", file=sys.stderr)
+            return 1
+        made = True
         fault_point("launcher", "folder")
         request = os.path.join(rundir, "config.json")
         try:
             if args.resume:  # the version check_resume checked, in the run's own folder
                 args.resume_copy = os.path.join(rundir, "resume.npz")
-                with open(args.resume_copy, "wb") as f:
+                with files.new_file(args.resume_copy) as f:
                     f.write(args.checked_resume)
-            with open(request + ".part", "w") as f:  # whole or not at all: the workers read it
+            # whole or not at all: the workers read it
+            with files.new_file(request + ".part", text=True) as f:
                 json.dump({k: v for k, v in vars(args).items() if k != "checked_resume"}, f)
             os.replace(request + ".part", request)
         except FileNotFoundError:
@@ -603,4 +723,5 @@ def launch(args, script, rundir):
         print(f"interrupted ({signal.Signals(stopping.signum).name}){kept}", file=sys.stderr)
         return 128 + stopping.signum
     finally:
-        shutil.rmtree(rundir, ignore_errors=True)
+        if made:
+            shutil.rmtree(rundir, ignore_errors=True)

@@ -14,7 +14,6 @@ import ctypes
 import json
 import os
 import select
-import shutil
 import signal
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import types
 
 import numpy as np
 
-from multi_gpu import cli
+from multi_gpu import cli, files
 
 
 class Interrupted(Exception):
@@ -134,8 +133,8 @@ class Watchdog:
         # the folder there when the last worker goes without removing it
         # (JAX's runtime ends the others once one has gone).
         try:
-            open(heartbeat_path(rundir, rank), "w").close()
-        except OSError:
+            files.new_file(heartbeat_path(rundir, rank)).close()
+        except FileNotFoundError:
             pass  # the folder is gone already: the watch below ends us
         threading.Thread(target=self._watch, daemon=True).start()
 
@@ -158,7 +157,7 @@ class Watchdog:
                 stopping.signum = stopping.signum or signum
             now = time.monotonic()
             try:
-                os.utime(beat)
+                os.utime(beat, follow_symlinks=False)
             except OSError:  # the run folder is gone: ours, on the way out, or someone's doing
                 if not (stopping.is_set() or os.getppid() != self.parent):
                     folder_vanished(self.rank, self.rundir)
@@ -244,7 +243,7 @@ def quit_now(code):
     the launcher is there to stop the others and remove it (the others may
     still be opening their sockets in it)."""
     if RUN_FOLDER and (stopping.is_set() or os.getppid() != LAUNCHER):
-        shutil.rmtree(RUN_FOLDER, ignore_errors=True)
+        files.remove_folder(RUN_FOLDER)  # only where it is ours: never a stranger's
     release_stdout()
     with contextlib.suppress(OSError):  # the launcher's end is closed
         sys.stderr.flush()
@@ -260,8 +259,8 @@ def keep_stdout_clean(rank, rundir):
     other worker's goes to a file in the run folder."""
     global FORWARD
     if rank != 0:
-        os.dup2(os.open(os.path.join(rundir, f"worker-{rank}.out"), os.O_WRONLY | os.O_CREAT,
-                        0o600), 1)
+        with files.new_file(os.path.join(rundir, f"worker-{rank}.out")) as f:
+            os.dup2(f.fileno(), 1)
         return
     terminal = os.dup(1)
     reader, writer = os.pipe()
@@ -287,13 +286,19 @@ def release_stdout():
         FORWARD.join(timeout=2)
 
 
+RUN_FOLDER_VARIABLE = "DUAL_MLP_RUN"  # the run folder's path, in each worker's environment
+
+
 def the_request(rundir):
     """What the launcher asks (its ``config.json``), once it has left it in
-    the run folder; None if the launcher is gone, or asks us to stop, first."""
+    the run folder; None if the launcher is gone, or asks us to stop, first.
+    The folder is checked first: this user's alone (``files.check_folder``),
+    or the worker stops in one line and leaves it as it is."""
     made = False
     while not stopping.is_set() and os.getppid() == LAUNCHER:
         try:
-            with open(os.path.join(rundir, "config.json")) as f:
+            files.check_folder(rundir)
+            with files.open_file(os.path.join(rundir, "config.json"), text=True) as f:
                 return types.SimpleNamespace(**json.load(f))
         except FileNotFoundError:  # not yet: it starts every worker before it writes it
             there = os.path.isdir(rundir)
@@ -301,15 +306,25 @@ def the_request(rundir):
                 folder_vanished("?", rundir)
             made = made or there
             time.sleep(0.005)
+        except files.NotPrivate as e:
+            print(f"worker ?: error: {e}: the run stops, and leaves it as it is", file=sys.stderr,
+                  flush=True)
+            quit_now(1)
     return None
 
 
-def run_worker(work, index, rundir, launcher_pid, one_line_errors):
+def run_worker(work, index, launcher_pid, one_line_errors):
     """Worker ``index`` of the launcher ``launcher_pid``: ``work(args, rank,
     world, device, rundir, watchdog)`` with the request the launcher leaves
-    in ``rundir``.  An error of ``one_line_errors`` is said in one line, any
-    other with its traceback."""
+    in the run folder.  The folder's name comes in the environment
+    (``DUAL_MLP_RUN``), which only this user can read, never on the command
+    line, which every user can.  An error of ``one_line_errors`` is said in
+    one line, any other with its traceback."""
     global RUN_FOLDER, LAUNCHER
+    rundir = os.environ.get(RUN_FOLDER_VARIABLE)
+    if not rundir:
+        sys.exit(f"worker {index}: error: {RUN_FOLDER_VARIABLE} is not set: workers are started "
+                 "by dual_mlp.py, not by hand")
     RUN_FOLDER, LAUNCHER = rundir, launcher_pid
     # Our error output is a pipe to the launcher: once it is gone, a write
     # there (JAX's runtime logs as its peers go) must not end us by SIGPIPE

@@ -68,11 +68,16 @@ def start_dual(*args, env=None, cwd=ROOT, mine=True):
     return proc
 
 
-def start_node(port, rank, *args, **kw):
-    """Start node ``rank`` of a two-node CPU run whose coordinator is
-    127.0.0.1:``port`` (``start_dual``'s keywords)."""
+SECRET = "a secret of the tests' own runs"  # what their nodes share (DUAL_MLP_SECRET)
+
+
+def start_node(port, rank, *args, env=None, **kw):
+    """Start node ``rank`` of a two-node CPU run whose node 0 listens at
+    127.0.0.1:``port``, holding the tests' secret unless ``env`` says
+    otherwise (``start_dual``'s keywords)."""
     return start_dual("cpu", "cpu", "--nodes", 2, "--node-rank", rank, "--coordinator",
-                      f"127.0.0.1:{port}", *args, **kw)
+                      f"127.0.0.1:{port}", *args, env=dict({"DUAL_MLP_SECRET": SECRET},
+                                                          **(env or {})), **kw)
 
 
 # Runs started in their own process group outlive a pytest that is killed

@@ -18,7 +18,7 @@ import pytest
 
 from multi_gpu import datasets, records
 from conftest import splits as conftest_splits
-from conftest import (LAUNCHERS, ROOT, SHAPES, TOKEN, dual, finish, kill_one_worker,
+from conftest import (LAUNCHERS, ROOT, SECRET, SHAPES, TOKEN, dual, finish, kill_one_worker,
                       leftover_workers, run_directories, script, start_checkpointing,
                       start_dual, start_node, wait_for, wait_until_training, workers_of)
 from multi_gpu.launcher import free_port
@@ -191,7 +191,7 @@ def test_a_node_given_another_option_is_refused_in_one_line(no_leftovers):
     node1 = start_node(port, 1, "--epochs", 3, "--timeout", 5)
     code, _, err = finish(node1, timeout=60)
     assert code == 2 and err.strip().splitlines() == [
-        f"dual_mlp.py: error: refused by node 0 at 127.0.0.1:{port + 1}: node 0 runs other "
+        f"dual_mlp.py: error: refused by node 0 at 127.0.0.1:{port}: node 0 runs other "
         "options: --epochs 2 there, 3 here"]
     code, _, err = finish(node0, timeout=60)  # its partner never came: one line
     assert code == 1 and len(err.strip().splitlines()) == 1 and "did not all meet" in err
@@ -469,19 +469,23 @@ def test_a_disk_that_fills_mid_run_is_a_failure_naming_the_file(tmp_path, name, 
 
 
 def test_the_lobby_answers_any_message_and_lets_the_real_node_in(no_leftovers):
-    """Messages a stranger could send to node 0's lobby each get an answer;
-    the door stays open, and the run's own node 1 joins after them."""
+    """Messages a node holding the run's secret could send to node 0's lobby
+    each get an answer; the door stays open, and the run's own node 1 joins
+    after them."""
     import zmq
+    from multi_gpu.launcher import curve_keys
     port = free_port()
     node0 = start_node(port, 0, "--epochs", 1, "--timeout", 60)
     context = zmq.Context()
+    public, private = curve_keys(SECRET)
     try:
         for message in (b'{"node_rank": 1e999, "options": {}}', b"\xff not json",
                         b'{"node_rank": "1", "options": []}', b'{"node_rank": 7, "options": {}}',
                         b"[]", b'{"node_rank": 1, "options": {"epochs": [1e999]}}'):
             ask = context.socket(zmq.REQ)
             ask.setsockopt(zmq.LINGER, 0)
-            ask.connect(f"tcp://127.0.0.1:{port + 1}")
+            ask.curve_serverkey, ask.curve_publickey, ask.curve_secretkey = public, public, private
+            ask.connect(f"tcp://127.0.0.1:{port}")
             ask.send(message)
             assert ask.poll(30000), f"no answer to {message!r}"
             assert ask.recv_json()["why"], message

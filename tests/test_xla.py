@@ -153,7 +153,7 @@ def test_a_node_alone_reports_the_missing_nodes_within_the_timeout(no_leftovers,
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     last = err.strip().splitlines()[-1]
     if rank == 1:
-        assert last == (f"dual_mlp.py: error: node 0 did not answer at 127.0.0.1:{port + 1} "
+        assert last == (f"dual_mlp.py: error: node 0 did not answer at 127.0.0.1:{port} "
                         "within 5 s (is it started, and can this machine reach it? see "
                         "--timeout)")
     else:

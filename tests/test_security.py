@@ -1,0 +1,299 @@
+"""Nobody else gets in: another user of the machine (played by uid 65534,
+``nobody``, through ``setpriv`` where the tests run as root), a stranger at
+node 0's lobby or at JAX's coordinator (on 127.0.0.1 only), data that only
+looks the same."""
+import hashlib
+import re
+import os
+import signal
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from multi_gpu import datasets, files, records
+from conftest import (SECRET, SHAPES, dual, finish, leftover_workers, start_dual, start_node, wait_for,
+                      wait_until_training, workers_of)
+from multi_gpu.launcher import free_port
+
+NOBODY = 65534
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                             reason="needs root, to act as another user (setpriv)")
+
+
+def as_nobody(*command, **kw):
+    """``command`` run as another user of this machine (uid and gid 65534)."""
+    return subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                           *command], capture_output=True, text=True, timeout=60, **kw)
+
+
+def run_folder_of(proc):
+    """The run folder a launcher's workers were given (in their environment)."""
+    workers = wait_for(lambda: len(workers_of(proc)) == 2 and workers_of(proc), 60,
+                       "the workers to start")
+    return workers, workers[0].environ()["DUAL_MLP_RUN"]
+
+
+@AS_ROOT
+def test_another_user_can_neither_learn_nor_take_the_run_folder(tmp_path):
+    """The launcher is held (SIGSTOP) between starting its workers and making
+    the folder: the moment another user would need the folder's name.  It is
+    on no command line, and the workers' environment, where it is, is not
+    theirs to read.  Even a stranger who had it and made the folder first
+    (with a request of their choosing, and heartbeat files that are links to
+    a root-only file) gets nothing: the run stops in one line and leaves
+    their folder and the linked file as they were."""
+    precious = tmp_path / "precious"
+    precious.write_text("root's own")
+    precious.chmod(0o600)
+    proc = start_dual("cpu", "cpu", "--epochs", 1000,
+                      env={"DUAL_MLP_FAULT": "launcher:spawned:stop"})
+    try:
+        wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 60,
+                 "the launcher to stop itself")
+        workers, folder = run_folder_of(proc)
+        assert os.path.basename(folder).startswith("dual_mlp-")
+        for p in [psutil.Process(proc.pid)] + workers:
+            assert not any(os.path.basename(folder) in arg for arg in p.cmdline()), p.cmdline()
+        peek = as_nobody(sys.executable, "-c", f"print(open('/proc/{workers[0].pid}/environ')"
+                                               ".read())")
+        assert peek.returncode != 0 and "Permission denied" in peek.stderr
+        plant = as_nobody("sh", "-c", f"mkdir -m 755 {folder} && echo '{{}}' > {folder}/config.json"
+                                      f" && ln -s {precious} {folder}/alive-0"
+                                      f" && ln -s {precious} {folder}/alive-1")
+        assert plant.returncode == 0, plant.stderr
+        os.kill(proc.pid, signal.SIGCONT)
+        code, _, err = finish(proc, timeout=60)
+        assert code == 1 and err.strip().splitlines() == [
+            f"error: the run folder {folder} exists already, made by someone else: the run "
+            "stops and leaves it as it is"], err
+        wait_for(lambda: not leftover_workers(), 10, "the workers to exit")
+        assert sorted(os.listdir(folder)) == ["alive-0", "alive-1", "config.json"]
+        assert os.stat(folder).st_uid == NOBODY and precious.read_text() == "root's own"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_folder_or_file_that_is_not_this_users_alone_is_neither_trusted_nor_removed(tmp_path):
+    """``files.check_folder`` before a byte is read: a link to a good folder,
+    a folder others can enter, another user's folder (as root); ``remove_folder``
+    leaves each as it is; a file is made only where nothing is, links included."""
+    good = tmp_path / "good"
+    files.make_folder(str(good))
+    files.check_folder(str(good))
+    link = tmp_path / "link"
+    link.symlink_to(good)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    cases = [(link, "is not a folder (a symbolic link?)"), (shared, "has mode 755, not 700")]
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, NOBODY, NOBODY)
+        cases.append((theirs, f"belongs to uid {NOBODY}"))
+    for path, words in cases:
+        with pytest.raises(files.NotPrivate, match=re.escape(words)):
+            files.check_folder(str(path))
+        files.remove_folder(str(path))
+        assert path.exists()
+    target = tmp_path / "target"
+    target.write_text("kept")
+    (good / "alive-0").symlink_to(target)
+    with pytest.raises(FileExistsError):
+        files.new_file(str(good / "alive-0"))
+    with pytest.raises(OSError):
+        files.open_file(str(good / "alive-0"))  # a link is not followed
+    assert target.read_text() == "kept"
+    files.remove_folder(str(good))
+    assert not good.exists() and target.exists()
+
+
+def lobby_client(context, port, secret=None):
+    """A zmq REQ socket to node 0's lobby: a node's with ``secret``, else a
+    stranger's, who speaks plain zmq."""
+    import zmq
+    from multi_gpu.launcher import curve_keys
+    ask = context.socket(zmq.REQ)
+    ask.setsockopt(zmq.LINGER, 0)
+    if secret:
+        public, private = curve_keys(secret)
+        ask.curve_serverkey, ask.curve_publickey, ask.curve_secretkey = public, public, private
+    ask.connect(f"tcp://127.0.0.1:{port}")
+    return ask
+
+
+def test_only_a_node_holding_the_runs_secret_gets_in_and_a_stranger_learns_nothing(
+        no_leftovers):
+    """Node 0 makes the run's secret and prints it.  A stranger asking in
+    plain zmq, or with another secret, gets no answer at all (no option
+    value, no fingerprint, no coordinator address); a node started with
+    another secret, or none, is refused in one line; the node given the
+    printed secret joins, and both train."""
+    import zmq
+    port = free_port()
+    node0 = start_node(port, 0, "--epochs", 2, "--timeout", 60, env={"DUAL_MLP_SECRET": ""})
+    line = wait_for(lambda: next((l for l in iter(node0.stdout.readline, "")
+                                  if "the run's secret" in l), None), 60, "the secret")
+    secret = line.split("DUAL_MLP_SECRET=")[1].split()[0]
+    assert len(secret) >= 16 and secret != SECRET
+    context = zmq.Context()
+    try:
+        for who in (None, "not the run's secret at all"):
+            ask = lobby_client(context, port, who)
+            ask.send(b'{"node_rank": 1, "options": {}}')
+            assert not ask.poll(3000), f"a stranger ({who}) was answered"
+            ask.close()
+    finally:
+        context.term()
+    for env, words in (({"DUAL_MLP_SECRET": "another secret, long enough"},
+                        "the handshake failed: this node does not hold the run's secret"),
+                       ({"DUAL_MLP_SECRET": ""}, "node 1 needs the run's secret")):
+        stranger = start_node(port, 1, "--epochs", 2, "--timeout", 60, env=env)
+        code, _, err = finish(stranger, timeout=60)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+    node1 = start_node(port, 1, "--epochs", 2, "--timeout", 60, env={"DUAL_MLP_SECRET": secret})
+    for node in (node0, node1):
+        code, _, err = finish(node, timeout=120)
+        assert code == 0, err
+
+
+def test_idle_strangers_and_a_huge_message_neither_keep_the_node_out_nor_swell_node_0(
+        no_leftovers):
+    """1100 connections that never speak, and 200 MB sent by a stranger:
+    node 0's launcher stays within 100 MB of its size, and the run's node 1
+    joins while the connections are still open."""
+    port = free_port()
+    node0 = start_node(port, 0, "--epochs", 2, "--timeout", 60)
+    launcher = psutil.Process(node0.pid)
+    wait_for(lambda: any(c.laddr.port == port for c in launcher.net_connections("tcp")
+                         if c.status == psutil.CONN_LISTEN), 60, "the lobby to listen")
+    size = launcher.memory_info().rss
+    idle = []
+    try:
+        for _ in range(1100):
+            idle.append(socket.create_connection(("127.0.0.1", port)))
+        with socket.create_connection(("127.0.0.1", port)) as big:
+            big.settimeout(20)
+            chunk = b"\x01" * (1 << 20)
+            try:
+                for _ in range(200):
+                    big.sendall(chunk)
+            except OSError:
+                pass  # dropped by node 0: as it should
+        time.sleep(1)
+        assert launcher.memory_info().rss < size + (100 << 20)
+        node1 = start_node(port, 1, "--epochs", 2, "--timeout", 60)
+        for node in (node0, node1):
+            code, _, err = finish(node, timeout=120)
+            assert code == 0, err
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_weak_secret_is_one_line(no_leftovers):
+    out = dual("cpu", "cpu", "--nodes", 2, "--node-rank", 1, "--coordinator",
+               f"127.0.0.1:{free_port()}", env={"DUAL_MLP_SECRET": "short"}, timeout=60)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "dual_mlp.py: error: the run's secret is too short to keep strangers out: at least 16 "
+        "characters"], out.stderr
+
+
+def test_a_secret_file_others_can_read_is_refused(tmp_path, no_leftovers):
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET)
+    secret.chmod(0o644)
+    out = dual("cpu", "cpu", "--nodes", 2, "--node-rank", 1, "--coordinator",
+               f"127.0.0.1:{free_port()}", "--secret-file", secret, timeout=60)
+    assert out.returncode == 2 and "must be a regular file of yours that nobody else can read" \
+        in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_the_one_machine_coordinator_is_out_of_other_users_reach(no_leftovers):
+    """``--exchange xla`` on one machine: JAX's coordinator listens on a Unix
+    socket inside the private run folder, not on a TCP port another user
+    could reach; as another user a connection to it fails, and the run
+    goes on to its end."""
+    proc = start_dual("cpu", "cpu", "--exchange", "xla", "--epochs", 3)
+    try:
+        wait_until_training(proc)
+        _, folder = run_folder_of(proc)
+        coordinator = os.path.join(folder, "coordinator.sock")
+        assert os.path.exists(coordinator)
+        if os.geteuid() == 0 and shutil.which("setpriv"):
+            knock = as_nobody(sys.executable, "-c", "import socket; s = socket.socket("
+                              f"socket.AF_UNIX); s.connect({coordinator!r})")
+            assert knock.returncode != 0 and "Permission denied" in knock.stderr, knock.stderr
+    finally:
+        code, _, err = finish(proc, timeout=120)
+    assert code == 0, err
+
+
+def digest(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_a_checkpoint_of_data_that_differs_in_a_few_labels_is_refused_and_left_as_it_was(
+        tmp_path, no_leftovers):
+    """The fingerprint hashes every byte: five labels changed, none of them
+    among the rows an older fingerprint sampled, make another data set.
+    Resumed on it, with --save naming the same file, the run is refused in
+    one line and the checkpoint stays as it was."""
+    splits = datasets.read(datasets.SHIPPED)
+    data = tmp_path / "digits.pkl.gz"
+    datasets.write_pickle(splits, str(data))
+    ckpt = tmp_path / "m.npz"
+    out = dual("cpu", "cpu", "--epochs", 1, "--dataset", data, "--batch-size", 100, "--save", ckpt)
+    assert out.returncode == 0, out.stderr
+    (x, y), valid, test = splits
+    y = y.copy()
+    for i in (1, 2, 3, 4, 5):  # rows 0, 11, 22, ... were the ones sampled
+        y[i] = (y[i] + 1) % 10
+    poisoned = tmp_path / "poisoned.pkl.gz"
+    datasets.write_pickle(((x, y), valid, test), str(poisoned))
+    assert datasets.fingerprint(datasets.read_checked(str(poisoned))) != \
+        datasets.fingerprint(datasets.read_checked(str(data)))
+    before = digest(ckpt)
+    out = dual("cpu", "cpu", "--epochs", 2, "--dataset", poisoned, "--batch-size", 100, "--resume",
+               ckpt, "--save", ckpt, timeout=60)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert f"{ckpt} was trained otherwise: data set (fingerprint)" in out.stderr
+    assert digest(ckpt) == before
+
+
+def test_the_fingerprint_changes_with_any_byte_of_any_split():
+    splits = [(np.arange(12, dtype=np.uint8).reshape(3, 4), np.arange(3, dtype=np.int32))
+              for _ in range(3)]
+    seen = {datasets.fingerprint(splits)}
+    for s in range(3):
+        for k in range(2):
+            changed = [tuple(a.copy() for a in split) for split in splits]
+            changed[s][k].flat[-1] += 1
+            seen.add(datasets.fingerprint(changed))
+    assert len(seen) == 7 and all(f.startswith("sha256:") for f in seen)
+
+
+def test_an_older_checkpoints_sampled_fingerprint_is_refused_in_one_line(tmp_path, no_leftovers):
+    """A checkpoint of the 256-row fingerprint cannot be checked against a
+    data set: it is refused in one line, not resumed on whatever is given."""
+    ckpt = tmp_path / "m.npz"
+    out = dual("cpu", "cpu", "--epochs", 1, "--save", ckpt)
+    assert out.returncode == 0, out.stderr
+    params, best, state = records.load_checkpoint(str(ckpt), SHAPES, records.TRAINING_STATE)
+    state["config"]["dataset"] = "9839d20ad9612422"  # as the older fingerprint looked
+    records.save_checkpoint(str(ckpt), params, best, **state)
+    out = dual("cpu", "cpu", "--epochs", 2, "--resume", ckpt, timeout=60)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"dual_mlp.py: error: {ckpt} was written by an older version of the demo, whose data "
+        "set fingerprint sampled 256 rows: this one cannot tell whether it was trained on this "
+        "data set; start anew"], out.stderr
