@@ -21,8 +21,9 @@ def main():
                         help="only the tests pytest's -k selects (a device call has ten minutes)")
     args = parser.parse_args()
     require_gpus()  # before anything is written: the committed record stays as it was
+    # one test at a time, whatever pytest.ini says: they share the GPUs
     pytest = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-s", "-rA", "-p",
-              "no:cacheprovider", "-o", "timeout=240", "--durations=0"]
+              "no:cacheprovider", "-o", "timeout=240", "-o", "addopts=", "--durations=0"]
     pytest += ["-k", args.k] if args.k else []
     os.makedirs(args.out, exist_ok=True)
     log_path = os.path.join(args.out, "gpu_checks.log")

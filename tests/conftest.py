@@ -3,11 +3,26 @@ import atexit
 import gzip
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+# One compile cache for the whole test run, this process's and every process
+# it starts (xdist's workers too: they inherit it), so that a graph compiled
+# once is loaded after, and no test touches the user's own ~/.pytensor.  A
+# test that gives a run a HOME of its own (a first run, caches empty) gets
+# the user's PyTensor flags back instead (``environment``).
+USER_FLAGS = os.environ.get("DUAL_MLP_TESTS_USER_FLAGS", os.environ.get("PYTENSOR_FLAGS", ""))
+if "DUAL_MLP_TESTS_CACHE" not in os.environ:
+    os.environ["DUAL_MLP_TESTS_CACHE"] = tempfile.mkdtemp(prefix="dual_mlp-tests-cache-")
+    os.environ["DUAL_MLP_TESTS_USER_FLAGS"] = USER_FLAGS
+    atexit.register(shutil.rmtree, os.environ["DUAL_MLP_TESTS_CACHE"], True)
+os.environ["PYTENSOR_FLAGS"] = ",".join(filter(None, (
+    USER_FLAGS, f"base_compiledir={os.environ['DUAL_MLP_TESTS_CACHE']}")))
 
 import numpy as np
 import psutil
@@ -31,7 +46,8 @@ LAUNCHERS = set()
 
 
 def environment(env=None):
-    return dict(os.environ, DUAL_MLP_TESTS=TOKEN, **(env or {}))
+    own_home = {"PYTENSOR_FLAGS": USER_FLAGS} if "HOME" in (env or {}) else {}
+    return dict(os.environ, DUAL_MLP_TESTS=TOKEN, **own_home, **(env or {}))
 
 
 def script(name, *args, env=None, timeout=600, cwd=ROOT):

@@ -114,7 +114,9 @@ def test_bad_flags_are_refused_in_one_line_naming_the_flag(name):
                          ("floatX=int8", "floatX=int8"), ("optimizer=bogus", "optimizer=bogus"),
                          ("device=tpu0", "device=tpu0"),
                          ("base_compiledir=/proc/x", "base_compiledir=/proc/x")]:
-        one_line_error(script(name, env={"THEANO_FLAGS": flags}, timeout=60), words)
+        # (without the tests' own compile folder, which PYTENSOR_FLAGS would give it)
+        one_line_error(script(name, env={"THEANO_FLAGS": flags, "PYTENSOR_FLAGS": ""},
+                              timeout=60), words)
     one_line_error(script(name, env={"PYTENSOR_FLAGS": "linker=xyz"}, timeout=60), "linker=xyz")
 
 

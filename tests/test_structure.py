@@ -70,7 +70,7 @@ def test_theano_flags_reach_pytensor_whichever_module_is_imported_first(module):
     """A fresh process imports ``module`` first, then PyTensor: Theano's mode
     name and floatX have become PyTensor's."""
     env = dict(os.environ, THEANO_FLAGS="mode=DEBUG_MODE,floatX=float64")
-    env.pop("PYTENSOR_FLAGS", None)
+    env["PYTENSOR_FLAGS"] = f"base_compiledir={os.environ['DUAL_MLP_TESTS_CACHE']}"
     out = subprocess.run([sys.executable, "-c", f"import {module}, pytensor; "
                           "print(pytensor.config.mode, pytensor.config.floatX)"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -28,37 +28,47 @@ def weights(tmp_path, name):
     return records.load_checkpoint(str(tmp_path / f"{name}.npz"), SHAPES)[0]
 
 
-def test_three_workers_equal_two_at_the_same_total_batch(tmp_path):
+@pytest.fixture(scope="module")
+def three_by_xla(tmp_path_factory):
+    """One run serves the tests below that look at three workers under
+    --exchange xla, two epochs, with --check (which only reads the weights):
+    (its summary, its output, its final weights)."""
+    folder = tmp_path_factory.mktemp("three_by_xla")
+    summary, out = run(folder, "three", "cpu", "cpu", "cpu", "--exchange", "xla", "--epochs", 2,
+                       "--check")
+    return summary, out, weights(folder, "three")
+
+
+def test_three_workers_equal_two_at_the_same_total_batch(tmp_path, three_by_xla):
     """Worker k of 3 at batch 100 trains on rows 300t+100k..; two workers at
     150 on rows 300t+150k..: the same 300 rows a step, so the same weights,
     up to float reordering (JAX's CPU backend here, Numba's there)."""
-    three, out = run(tmp_path, "three", "cpu", "cpu", "cpu", "--exchange", "xla", "--epochs", 2,
-                     "--check")
+    three, out, three_weights = three_by_xla
     two, _ = run(tmp_path, "two", "cpu", "cpu", "--batch-size", 150, "--epochs", 2)
     assert three["workers"] == 3 and three["exchange"] == "xla" and two["exchange"] == "p2p"
     assert three["max_replica_diff"] == 0.0
     assert three["steps_per_epoch"] == two["steps_per_epoch"] == 10
     np.testing.assert_allclose(three["validation_errors"], two["validation_errors"], atol=0.005)
-    for a, b in zip(weights(tmp_path, "three"), weights(tmp_path, "two")):
+    for a, b in zip(three_weights, weights(tmp_path, "two")):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
     assert "weights through an XLA all-reduce" in out.stdout
     assert out.stdout.count("epoch 1/2:") == 1  # only global rank 0 prints
 
 
-def test_three_workers_peer_to_peer_hold_the_xla_average(tmp_path):
+def test_three_workers_peer_to_peer_hold_the_xla_average(tmp_path, three_by_xla):
     """The 2014 exchange for three: each worker publishes into its own mapped
     buffer, fetches all three, and takes their mean in rank order, under each
     --avg; the replicas stay identical, and the weights are --exchange xla's
     up to float reordering (NumPy and Numba here, XLA there): within 1e-6
     absolute (measured: 1.5e-7 after 20 steps)."""
-    xla, _ = run(tmp_path, "xla", "cpu", "cpu", "cpu", "--exchange", "xla", "--epochs", 2)
+    xla, _, xla_weights = three_by_xla
     for avg in ("theano", "pycuda", "cpu"):  # p2p: the default for CPUs of one machine
         p2p, out = run(tmp_path, "p2p", "cpu", "cpu", "cpu", "--avg", avg, "--epochs", 2,
                        "--check")
         assert p2p["exchange"] == "p2p" and p2p["workers"] == 3 and p2p["sync"] == "host"
         assert p2p["max_replica_diff"] == 0.0
         assert "weights through host memory, ordered by the host" in out.stdout
-        for a, b in zip(weights(tmp_path, "p2p"), weights(tmp_path, "xla")):
+        for a, b in zip(weights(tmp_path, "p2p"), xla_weights):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(p2p["validation_errors"], xla["validation_errors"],
                                    atol=0.002)
