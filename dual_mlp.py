@@ -78,20 +78,22 @@ This file is the lesson; the plumbing (checks, processes, sockets, data,
 records) is in the package ``multi_gpu/``, one named call away.
 """
 import signal
+import sys
 if __name__ == "__main__":  # a Ctrl-C while PyTensor loads ends the script, with no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    sys.path.insert(0, __file__.rpartition("/")[0])  # the package, under python -I too
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import argparse
 import functools
 import os
 import shlex
 import struct
-import sys
 import time
 from contextlib import ExitStack
 
 import numpy as np
 import pytensor
+import pytensor.tensor as pt
 import zmq
 
 import mlp
@@ -332,8 +334,10 @@ class HostOrdered(Trainer):
             everyone = pytensor.shared(np.zeros(world * layout.size, layout.dtype), name="all")
             place(everyone, device.alias(recv))  # read where the copies wrote
             slots = layout.slots(everyone, world)
+            # (alloc: a slot of a size-1 dimension, --n-hidden 1, is broadcastable,
+            # which the parameter's type is not; XLA copies nothing for it)
             return pytensor.function([], [], mode=device.mode, updates=[
-                (p, mean_in_rank_order([slot[i] for slot in slots]))
+                (p, pt.alloc(mean_in_rank_order([slot[i] for slot in slots]), *p.shape))
                 for i, p in enumerate(params)])
         if kind == "pycuda":
             return lambda: device.average_in_place(params, recv, layout, world)
@@ -546,7 +550,7 @@ def worker(args, rank, world, dev, rundir, watchdog):
             if rank != 0:
                 continue
             trainer.to_model()
-            report.check_finite(model.get_params(), epoch, args)
+            report.check_finite(model.get_params(), epoch, args.learning_rate, args.l1, args.l2)
             progress.validated(epoch, float(model.validate_model()), model.test_model,
                                model.get_params)
             minibatches = cli.counted(world * n_steps, "minibatch", "minibatches")
@@ -577,6 +581,7 @@ def main(argv=None):
     started = time.perf_counter()
     args.command = shlex.join(["python", "dual_mlp.py"] + (sys.argv[1:] if argv is None else argv))
     with ExitStack() as run:
+        cli.keep_going_without_readers()  # it will hold locks, folders, workers: release them
         try:
             shapes = mlp.parameter_shapes(datasets.N_PIXELS, args.n_hidden, datasets.N_CLASSES)
             notices = launcher.check_request(args, shapes, BATCH_SIZE, SHIPPED_BATCH_SIZE,
@@ -597,20 +602,20 @@ def main(argv=None):
                     args.coordinator, args.node_rank, args.run_options, args.timeout, secret)
         except (launcher.UsageError, datasets.DatasetError, records.CheckpointError,
                 launcher.NoAnswer) as e:
-            print(f"dual_mlp.py: error: {e}", file=sys.stderr)
+            cli.say(f"dual_mlp.py: error: {e}", file=sys.stderr)
             return 1 if isinstance(e, launcher.NoAnswer) else 2
         for notice in notices + [folder_notice] if args.node_rank == 0 else []:  # one node speaks
             if notice:
-                print(notice, file=sys.stderr if notice.startswith("warning:") else sys.stdout)
+                cli.say(notice, file=sys.stderr if notice.startswith("warning:") else sys.stdout)
         code = launcher.launch(args, os.path.abspath(__file__), rundir)
     if code == 0 and args.node_rank == 0:
-        print(f"total wall time {time.perf_counter() - started:.1f} s (start-up and compile "
-              "included)")
+        cli.say(f"total wall time {time.perf_counter() - started:.1f} s (start-up and compile "
+                "included)")
     return code
 
 
 def parse_args(argv=None):
-    p = cli.Parser(description=__doc__.split("\n")[0], epilog=(
+    p = cli.Parser(about=__doc__, epilog=(
         "THEANO_FLAGS is honoured (mapped onto PyTensor's flags; floatX defaults to float32). "
         "See README.md for the data choices, the GPU set-up and runs on several machines."))
     p.add_argument("devices", nargs="*", metavar="DEV",

@@ -25,10 +25,11 @@ Run alone, this file trains the model on the demo's data, as the tutorial did::
     THEANO_FLAGS=mode=NUMBA python logistic_sgd.py     # on the CPU through Numba, not JAX
 """
 import signal
+import sys
 if __name__ == "__main__":  # a Ctrl-C while PyTensor loads ends the script, with no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    sys.path.insert(0, __file__.rpartition("/")[0])  # the package, under python -I too
 from multi_gpu import tutorial  # first: THEANO_FLAGS onto PyTensor's flags; data, command line
-import sys
 import time
 
 import numpy as np
@@ -130,6 +131,8 @@ def minibatch(data, index, batch_size):
     JAX cannot compile a slice whose bounds are only known at run time, so
     the data is viewed as (n_batches, batch_size, ...) and indexed instead.
     """
+    if batch_size == 1:  # one row, as a batch of one (a (n, 1, ...) view trips a PyTensor rewrite)
+        return pt.shape_padleft(data[index])
     n_batches = data.get_value(borrow=True).shape[0] // batch_size
     rows = data[:n_batches * batch_size]
     return rows.reshape((n_batches, batch_size) + tuple(rows.shape[1:data.ndim]))[index]
@@ -190,6 +193,8 @@ def sgd_optimization_mnist(learning_rate=0.13, n_epochs=20, dataset=None, batch_
         for minibatch_index in range(n_train_batches):
             train_model(minibatch_index)
         train_time += time.perf_counter() - start
+        tutorial.check_finite([p.get_value() for p in classifier.params], epoch, learning_rate,
+                              kept="")
         this_validation_loss = float(validate_model())
         print(f"epoch {epoch}, minibatch {n_train_batches}/{n_train_batches}, "
               f"validation error {this_validation_loss * 100.:f} %")

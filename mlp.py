@@ -20,12 +20,13 @@ Run alone, this file trains one model on one process, as the tutorial did::
     THEANO_FLAGS=mode=NUMBA python mlp.py        # on the CPU through Numba, not JAX
 """
 import signal
+import sys
 if __name__ == "__main__":  # a Ctrl-C while PyTensor loads ends the script, with no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    sys.path.insert(0, __file__.rpartition("/")[0])  # the package, under python -I too
 from multi_gpu import tutorial  # first: THEANO_FLAGS onto PyTensor's flags; data, command line
 import functools
 import shlex
-import sys
 import time
 
 import numpy as np
@@ -199,6 +200,8 @@ def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, datase
             cost = model.train_model(minibatch_index)
         float(cost)  # the epoch's steps are done (a JAX device runs behind the host)
         train_time += time.perf_counter() - start
+        tutorial.check_finite(model.get_params(), epoch, learning_rate, L1_reg, L2_reg,
+                              kept="--save's file, if any, is left as it was")
         this_validation_loss = float(model.validate_model())
         validation_losses.append(this_validation_loss)
         print(f"epoch {epoch}, minibatch {n_train_batches}/{n_train_batches}, "
@@ -214,10 +217,6 @@ def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, datase
     print(f"The code ran for {n_epochs / train_time:.2f} epochs/s of training "
           f"({samples_per_s:,.0f} samples/s, {1e6 * train_time / n_epochs / n_train_batches:.0f} "
           "us per step; the compile and the validation not counted)")
-    if save:
-        tutorial.save_checkpoint(save, model.get_params(), best_params, epoch=n_epochs,
-                                best_validation_error=best_validation_loss,
-                                test_error=test_score)
     if json_path:
         summary = dict(
             tutorial.run_header(shlex.join(["python", "mlp.py"] + sys.argv[1:])),
@@ -228,7 +227,11 @@ def test_mlp(learning_rate=0.01, L1_reg=0.00, L2_reg=0.0001, n_epochs=10, datase
             step_us=dict(step=1e6 * train_time / n_epochs / n_train_batches),
             validation_errors=validation_losses, best_validation_error=best_validation_loss,
             test_error=test_score, curve=curve)
-        tutorial.write_json(json_path, summary)
+        tutorial.write_json_or_show(json_path, summary, "mlp.py")
+    if save:  # after the summary: a save that fails loses no figure
+        tutorial.save_checkpoint(save, model.get_params(), best_params, epoch=n_epochs,
+                                best_validation_error=best_validation_loss,
+                                test_error=test_score)
     return best_validation_loss, test_score
 
 

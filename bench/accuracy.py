@@ -32,6 +32,7 @@ from bench.common import RESULTS, load, measured_by, parse_args, pyplot, record
 from bench.compare import K, ONE_GPU, STEPS_PER_CALL, run, summary_of
 
 from multi_gpu import datasets
+from multi_gpu import cli
 from multi_gpu.cli import Parser
 
 GLOBAL_BATCH = 200
@@ -148,21 +149,22 @@ def table(document):
 
 
 def main():
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(about=__doc__)
     parser.add_argument("--dataset", default=datasets.SHIPPED,
                         help="a data set (default: the shipped digits)")
     parser.add_argument("--cpu", action="store_true", help="the small CPU subset (CI)")
-    parser.add_argument("--target", type=float, default=0.875,
-                        help="test accuracy to reach (default: %(default)s)")
-    parser.add_argument("--epochs", type=int, default=120, help="the budget, in epochs")
-    parser.add_argument("--learning-rate", type=float, default=0.1)
-    parser.add_argument("--l2", type=float, default=0.0)
-    parser.add_argument("--average-every", type=int, nargs="+", default=[1, 2, 4, 8],
+    parser.add_argument("--target", type=cli.fraction, default=0.875,
+                        help="test accuracy to reach, above 0 and below 1 (default: %(default)s)")
+    parser.add_argument("--epochs", type=cli.positive_int, default=120,
+                        help="the budget, in epochs (default: %(default)s)")
+    parser.add_argument("--learning-rate", type=cli.positive, default=0.1,
+                        help="SGD step size (default: %(default)s)")
+    parser.add_argument("--l2", type=cli.non_negative, default=0.0,
+                        help="squared L2 weight penalty (default: %(default)s)")
+    parser.add_argument("--average-every", type=cli.positive_int, nargs="+", default=[1, 2, 4, 8],
                         metavar="H", help="the demo's H values (local SGD; default: %(default)s)")
     parser.add_argument("--out", default=RESULTS, help="folder for accuracy.json and .png")
     opts = parse_args(parser, table)
-    if not 0 < opts.target < 1:
-        parser.error("--target is an accuracy between 0 and 1")
     name = "accuracy_cpu" if opts.cpu else "accuracy"
     results = []
 

@@ -3,14 +3,18 @@
 The benchmarks are modules of this folder, run from the repository's root
 as ``python -m bench.NAME``: they import the demo's scripts and its package
 ``multi_gpu`` by their names."""
+import atexit
 import datetime
 import json
 import os
 import platform
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -225,14 +229,30 @@ def tables_from(path, table):
     """``--tables-from JSON``: regenerate the running script's README tables
     (the block named after it, ``NAME.py --cpu`` for a CPU run's, or the
     one its results file names) from a results file."""
-    document = load(path)
-    write_block(block_name(document, SCRIPT), table(document))
+    try:
+        document = load(path)
+        text = table(document)
+    except (OSError, ValueError) as e:
+        sys.exit(f"{SCRIPT}: error: --tables-from {path}: {getattr(e, 'strerror', None) or e}")
+    except (KeyError, TypeError, AttributeError):
+        sys.exit(f"{SCRIPT}: error: --tables-from {path}: not a results file of {SCRIPT}")
+    write_block(block_name(document, SCRIPT), text)
 
 
 def block_name(document, script):
     """The README block a results file's tables go into: the one it names,
     else its script's (``NAME.py``, or ``NAME.py --cpu`` for a CPU run's)."""
     return document.get("block", f"{script} --cpu" if document.get("cpu") else script)
+
+
+def keep_temporaries_here():
+    """This benchmark's temporary files (PyTensor writes each compiled graph's
+    source into one and never removes it) go into a folder of its own,
+    removed at its end, a SIGTERM's too (``timeout``, a killed job)."""
+    folder = tempfile.mkdtemp(prefix=f"{SCRIPT[:-3]}-")
+    tempfile.tempdir = folder
+    atexit.register(shutil.rmtree, folder, True)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def parse_args(parser, table):
@@ -244,9 +264,24 @@ def parse_args(parser, table):
     parser.add_argument("--tables-from", metavar="JSON",
                         help=f"only regenerate the README tables from this {results}")
     args = parser.parse_args()
+    keep_temporaries_here()
     if args.tables_from:
         tables_from(args.tables_from, table)
         sys.exit(0)
+    if getattr(args, "dataset", None):
+        from multi_gpu import datasets
+        try:
+            datasets.resolve(args.dataset)
+        except datasets.DatasetError as e:
+            parser.error(str(e))
+    out = getattr(args, "out", None)
+    if out:  # before anything runs: a measurement must not be lost at its end
+        if os.path.exists(out) and not os.path.isdir(out):
+            parser.error(f"--out {out} is a file: it names the folder the results go into")
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as e:
+            parser.error(f"--out {out}: cannot make that folder ({e.strerror})")
     if not getattr(args, "cpu", False):
         require_gpus()
     return args

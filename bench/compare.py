@@ -332,7 +332,7 @@ def table(document):
 
 
 def main():
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(about=__doc__)
     parser.add_argument("--dataset", default=datasets.SHIPPED,
                         help="a data set to tile (default: the shipped digits)")
     parser.add_argument("--cpu", action="store_true", help="the small CPU subset (CI)")

@@ -469,7 +469,7 @@ def power_of_two(text):
 
 
 def main():
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(about=__doc__)
     parser.add_argument("--gpus", nargs=2, default=["0", "1"], metavar="GPU",
                         help="the two GPUs (default: 0 1)")
     parser.add_argument("--max-mb", type=power_of_two, default=256,

@@ -116,7 +116,7 @@ def table(document):
 
 
 def main():
-    p = Parser(description=__doc__.split("\n")[0])
+    p = Parser(about=__doc__)
     p.set_defaults(cpu=True)  # a CPU benchmark: no GPU asked for
     p.add_argument("--cold-runs", type=int, default=2, help="first runs per backend, each in "
                    "fresh private folders (default: %(default)s)")

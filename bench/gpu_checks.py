@@ -15,7 +15,7 @@ from multi_gpu.cli import Parser
 
 
 def main():
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(about=__doc__)
     parser.add_argument("--out", default=RESULTS, help="folder for the results")
     parser.add_argument("-k", metavar="EXPRESSION",
                         help="only the tests pytest's -k selects (a device call has ten minutes)")

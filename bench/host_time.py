@@ -53,7 +53,7 @@ def measure(call, steps, wait):
 
 
 def main():
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(about=__doc__)
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--batch-size", type=int, default=5000)
     parser.add_argument("--steps", type=int, default=300)

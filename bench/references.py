@@ -395,7 +395,7 @@ def ddp(args):
 
 
 def main():
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(about=__doc__)
     parser.add_argument("system", choices=("torch", "torch-compile", "torch-graph", "ddp",
                                            "ddp-graph", "jax", "pytensor"))
     parser.add_argument("--dataset", required=True)

@@ -165,7 +165,7 @@ def figure(system, batch, k, rounds, plain=None, **more):
 
 def main():
     from multi_gpu import datasets
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(about=__doc__)
     parser.add_argument("--dataset", default=datasets.SHIPPED,
                         help="training data (default: the shipped digits)")
     parser.add_argument("--batches", type=int, nargs="+", default=[100, 500, 5000])

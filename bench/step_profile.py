@@ -52,7 +52,7 @@ def kernels(run, synchronize, cpu):
 
 
 def main():
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(about=__doc__)
     parser.add_argument("--dataset", default=datasets.SHIPPED,
                         help="training data (default: the shipped digits)")
     parser.add_argument("--batch", type=int, default=20000, help="examples per step")

@@ -27,10 +27,51 @@ from multi_gpu import devices, files
 
 
 def quit_quietly(signum, frame):
-    """A signal during start-up: one word, no traceback."""
+    """A signal during start-up (a tutorial script's whole run): one word, no
+    traceback, and what ``on_quit`` was given undone first."""
+    for undo in reversed(ON_QUIT):
+        with contextlib.suppress(Exception):
+            undo()
     if "--worker" not in sys.argv:  # the launcher speaks for its workers
-        os.write(2, b"interrupted\n")
+        with contextlib.suppress(OSError):
+            os.write(2, b"interrupted\n")
     os._exit(128 + signum)
+
+
+ON_QUIT = []  # what a quiet quit must undo: temporary folders, locks
+
+
+@contextlib.contextmanager
+def on_quit(undo):
+    """Within the block, a signal that ends the script runs ``undo`` first
+    (the exit skips the blocks' own clean-up)."""
+    ON_QUIT.append(undo)
+    try:
+        yield
+    finally:
+        ON_QUIT.remove(undo)
+
+
+def say(*words, file=None, **kw):
+    """``print``, flushed, that survives a reader gone (``| head``, a ``| tee``
+    that a Ctrl-C ended first): what could not be said is dropped, and the
+    stream goes to /dev/null from then on, so that a launcher still stops
+    its workers and releases what it holds (SIGPIPE is ignored meanwhile:
+    ``keep_going_without_readers``)."""
+    file = file or sys.stdout
+    try:
+        print(*words, file=file, flush=True, **kw)
+    except (BrokenPipeError, OSError):
+        with contextlib.suppress(OSError, ValueError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, file.fileno())
+            os.close(null)
+
+
+def keep_going_without_readers():
+    """From now on a closed stdout or stderr does not end the process
+    (SIGPIPE ignored): it holds something to release first.  Write with ``say``."""
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
 
 
 def quiet_start_up():
@@ -45,7 +86,11 @@ class Parser(argparse.ArgumentParser):
     options (``--epoch 2`` is not ``--epochs 2``: a typo should not train),
     and, for an option it does not know, the closest one it does."""
 
-    def __init__(self, *args, **kw):
+    def __init__(self, *args, about=None, **kw):
+        """``about``: a module's docstring, whose first paragraph describes
+        it (None under ``python -OO``, which drops docstrings)."""
+        if about is not None:
+            kw.setdefault("description", about.split("\n\n")[0])
         super().__init__(*args, allow_abbrev=False, **kw)
 
     def parse_known_args(self, args=None, namespace=None):
@@ -97,6 +142,7 @@ seed = _number(int, lambda v: 0 <= v < 2 ** 32, "an integer from 0 to 2**32 - 1"
 positive = _number(float, lambda v: v > 0, "a positive, finite number")
 seconds = _number(float, lambda v: 0 < v <= 1e6, "a number of seconds above 0, at most 1e6")
 non_negative = _number(float, lambda v: v >= 0, "a finite number >= 0")
+fraction = _number(float, lambda v: 0 < v < 1, "a number above 0 and below 1")
 
 
 def dataset(path):

@@ -26,6 +26,7 @@ Run ``python -m multi_gpu.datasets download`` to fetch the full MNIST (checksums
 verified) into ``./mnist.pkl.gz``, which the demo then uses by default.
 """
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import contextlib
 import gzip
 import hashlib
 import io
@@ -41,7 +42,7 @@ import zlib
 
 import numpy as np
 
-from multi_gpu import files
+from multi_gpu import devices, files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 SHIPPED = os.path.join(ROOT, "data", "mnist_5k.pkl.gz")
@@ -165,18 +166,39 @@ def regular_file(path):
         raise DatasetError(f"{path}: not a regular file")
 
 
-def _gunzip(path):
-    """The whole decompressed content of a gzip file, or a DatasetError."""
+@contextlib.contextmanager
+def opened(path):
+    """``path`` open for reading, decompressed where it ends in .gz; what goes
+    wrong on the way is a DatasetError."""
     regular_file(path)
     try:
-        with gzip.open(path, "rb") as f:
-            return f.read()
+        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+            yield f
     except gzip.BadGzipFile:
         raise DatasetError(f"{path}: not a gzip file") from None
     except (EOFError, zlib.error):
         raise DatasetError(f"{path}: truncated or corrupt gzip data") from None
     except OSError as e:
         raise DatasetError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def room_for(what):
+    """The most bytes a data file may expand to here: a share of the memory
+    this process may still take (``devices.available_memory``, which counts
+    a container's limit), so that a file that expands without end (a gzip
+    bomb: a few MB that expand to GB) is refused, not read until the kernel
+    ends the process without a word."""
+    available = devices.available_memory()
+    return (8 << 30 if available is None else available) // what
+
+
+def read_at_most(f, path, limit):
+    """All of ``f``, refused past ``limit`` bytes (read no further)."""
+    raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise DatasetError(f"{path}: expands to more than {limit / 2**30:.1f} GiB, more than "
+                           "this machine's memory can hold beside the run (a gzip bomb?)")
+    return raw
 
 
 class ArraysOnly(pickle.Unpickler):
@@ -235,8 +257,11 @@ def backed_by(raw, path, splits):
 
 
 def read_pickle(path):
-    """The tutorial's format; its Python 2 pickles need latin1 for numpy."""
-    raw = _gunzip(path)
+    """The tutorial's format; its Python 2 pickles need latin1 for numpy.  It
+    declares no size before its arrays, so its content may take at most a
+    third of the memory left (the bytes, the arrays, the run beside them)."""
+    with opened(path) as f:
+        raw = read_at_most(f, path, room_for(3))
     try:
         splits = ArraysOnly(io.BytesIO(raw), encoding="latin1").load()
     except DatasetError:
@@ -256,24 +281,26 @@ def read_pickle(path):
 def read_idx(path):
     """One IDX file, gzipped or not: 2 zero bytes, a type byte (8 = uint8),
     the number of dimensions, each dimension as a big-endian uint32, then
-    the data."""
-    if path.endswith(".gz"):
-        raw = _gunzip(path)
-    else:
-        regular_file(path)
-        with open(path, "rb") as f:
-            raw = f.read()
-    if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] != 0x08:
-        raise DatasetError(f"{path}: not an IDX file of unsigned bytes")
-    ndim = raw[3]
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise DatasetError(f"{path}: IDX header is cut short")
-    shape = struct.unpack(f">{ndim}I", raw[4:header])
-    if len(raw) - header != math.prod(shape):  # Python's integers: NumPy's would wrap
-        raise DatasetError(f"{path}: IDX header says {shape} = {math.prod(shape):,} values "
-                           f"but the file holds {len(raw) - header:,}")
-    return np.frombuffer(raw, np.uint8, offset=header).reshape(shape)
+    the data.  The header is read first, and what it declares must fit in
+    half the memory left before a byte of the data is decompressed."""
+    with opened(path) as f:
+        start = f.read(4)
+        if len(start) < 4 or start[:2] != b"\0\0" or start[2] != 0x08:
+            raise DatasetError(f"{path}: not an IDX file of unsigned bytes")
+        dims = f.read(4 * start[3])
+        if len(dims) < 4 * start[3]:
+            raise DatasetError(f"{path}: IDX header is cut short")
+        shape = struct.unpack(f">{start[3]}I", dims)
+        declared = math.prod(shape)  # Python's integers: NumPy's would wrap
+        if declared > room_for(2):
+            raise DatasetError(f"{path}: IDX header says {shape} = {declared:,} values, more "
+                               "than this machine's memory can hold beside the run")
+        raw = f.read(declared + 1)
+    if len(raw) != declared:
+        held = f"{len(raw):,}" if len(raw) <= declared else "more"
+        raise DatasetError(f"{path}: IDX header says {shape} = {declared:,} values but the "
+                           f"file holds {held}")
+    return np.frombuffer(raw, np.uint8).reshape(shape)
 
 
 def write_idx(path, array):
@@ -366,7 +393,7 @@ def make_shipped(out, seed=1234):
 
 def main(argv=None):
     from multi_gpu.cli import Parser  # cli reads data sets: imported here, not above
-    parser = Parser(prog="python -m multi_gpu.datasets", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m multi_gpu.datasets", about=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     down = sub.add_parser("download", help="fetch the full MNIST into the classic format")
     down.add_argument("--out", default=CLASSIC, help="where to write (default: %(default)s)")

@@ -61,11 +61,8 @@ def memory_problem(shapes, workers=1, data_values=0):
     (exit 137, no word), not in a MemoryError: each process keeps its
     replica about 8 times over (weights, gradients, updated weights, best
     weights, the exchange's buffers, its checkpoint's copies)."""
-    try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) << 10 for line in f
-                             if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
+    available = available_memory()
+    if available is None:
         return None
     each = 8 * 4 * sum(math.prod(s) for s in shapes) + 4 * data_values
     if workers * each <= available:
@@ -76,6 +73,60 @@ def memory_problem(shapes, workers=1, data_values=0):
     return (f"the model with --n-hidden {shapes[0][1]} needs about {needs}; this machine has "
             f"{available / 2**30:.1f} GiB available: a smaller --n-hidden" +
             (", or fewer workers" if workers > 1 else ""))
+
+
+def available_memory():
+    """Bytes this process may still take, or None where nothing tells: the
+    machine's available memory, or less where a container's limit (a memory
+    cgroup, v1 or v2, this process's and its parents') leaves less: there
+    the kernel's OOM killer ends a process long before the machine is full."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) << 10 for line in f
+                             if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    for headroom in cgroup_headrooms():
+        available = min(available, headroom)
+    return max(0, available)
+
+
+def cgroup_headrooms():
+    """For each memory cgroup this process is in, and each parent: its limit
+    less what its members use (file pages that could be dropped aside)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return
+    for _, controllers, path in lines:
+        if controllers == "":      # v2: limit memory.max, use memory.current
+            root, limit, use = "/sys/fs/cgroup", "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):  # v1
+            root, limit, use = ("/sys/fs/cgroup/memory", "memory.limit_in_bytes",
+                                "memory.usage_in_bytes")
+        else:
+            continue
+        folder = os.path.join(root, path.lstrip("/"))
+        if not os.path.isdir(folder):  # a container sees its own cgroup as the root
+            folder = root
+        while folder.startswith(root):
+            try:
+                with open(os.path.join(folder, limit)) as f:
+                    cap = f.read().strip()
+                with open(os.path.join(folder, use)) as f:
+                    used = int(f.read())
+                with open(os.path.join(folder, "memory.stat")) as f:
+                    stat = dict(line.split() for line in f if len(line.split()) == 2)
+            except (OSError, ValueError):
+                cap = "max"
+            else:
+                if cap.isdigit() and int(cap) < 1 << 60:
+                    dropped = int(stat.get("inactive_file", stat.get("total_inactive_file", 0)))
+                    yield int(cap) - used + dropped
+            if folder == root:
+                break
+            folder = os.path.dirname(folder)
 
 
 def open_device(dev, jax_on_cpu=False):

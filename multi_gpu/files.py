@@ -51,6 +51,15 @@ def check_folder(path):
                          "users could reach into it")
 
 
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_room(error, folder):
+    """The one line for a write into the run folder that found no room."""
+    return (f"no room left in the run folder {folder} ({error.strerror}): is its file "
+            "system full? (another process may have filled /dev/shm after the run's check)")
+
+
 def remove_folder(path):
     """Remove the run folder ``path`` and all in it, where it is this user's
     alone (``check_folder``); another user's, or a link, is left as it is."""
@@ -76,8 +85,13 @@ def new_file(path, size=0, text=False):
     """A new file in the run folder, made here and only here (``O_EXCL``, no
     link followed, mode 0600), ``size`` bytes of zeros, open for writing."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | FLAGS, 0o600)
-    if size:
-        os.ftruncate(fd, size)
+    try:
+        if size:  # taken for real: a file mapped into memory on a full disk would end in SIGBUS
+            os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        os.close(fd)
+        os.unlink(path)
+        raise OSError(e.errno, e.strerror, path) from None
     return os.fdopen(fd, "w" if text else "r+b")
 
 
@@ -111,8 +125,12 @@ def atomic_write(path):
     place only once it is complete: a crash leaves the old file intact.  The
     temporary is this process's own (created ``O_EXCL``, named by
     ``temporary_prefix``), and only a regular file, or nothing, is replaced."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                               prefix=temporary_prefix(path), suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                                   prefix=temporary_prefix(path), suffix=".tmp")
+    except OSError as e:  # the folder went, or went read-only: name the file asked for
+        raise OSError(e.errno, e.strerror, path) from None
+    WRITING.add(tmp)
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
@@ -123,7 +141,21 @@ def atomic_write(path):
             raise OSError(errno.EEXIST, "not a regular file, left as it is", path)
         os.replace(tmp, path)
     except BaseException as e:
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         if isinstance(e, OSError) and e.filename is None:  # a write into the file: name ours
             raise OSError(e.errno, e.strerror, path) from None
         raise
+    finally:
+        WRITING.discard(tmp)
+
+
+WRITING = set()  # the temporaries ``atomic_write`` is writing now
+
+
+def drop_unfinished_writes():
+    """Remove the temporaries of the writes still in progress: for a process
+    that must end now, mid-write (its launcher killed), and leave nothing."""
+    for tmp in list(WRITING):
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)

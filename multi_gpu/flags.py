@@ -113,6 +113,16 @@ def apply(environ=os.environ):
         pytensor_flags, warnings, DEVICE = to_pytensor(*given.values())
         DEVICE_ASKED = parse(given["THEANO_FLAGS"]).get("device")
         MODE = parse(pytensor_flags).get("mode")
+        folders = {k: v for k, v in parse(pytensor_flags).items() if "compiledir" in k}
+        empty = next((k for k, v in folders.items() if not v.strip()), None)
+        if empty:  # PyTensor would take the current folder, and write its files there
+            raise FlagError(f"{empty} is empty: name a folder for PyTensor's compiled code, "
+                            "or leave the flag out")
+        home = environ.get("HOME")
+        if "base_compiledir" not in folders and home is not None and not os.path.isabs(home):
+            raise FlagError(f"HOME={environ.get('HOME', '')!r} is not a folder's full path, "
+                            "and PyTensor keeps its compiled code in $HOME/.pytensor: set "
+                            "HOME, or PYTENSOR_FLAGS=base_compiledir=FOLDER")
         environ["PYTENSOR_FLAGS"] = pytensor_flags
         with catch_warnings(record=True) as unknown:  # the filters as they are, recorded
             import pytensor  # reads the flags
@@ -133,11 +143,13 @@ def apply(environ=os.environ):
         with tempfile.TemporaryFile(dir=pytensor.config.compiledir):
             pass
     except (OSError, ValueError) as e:
-        where = next((f"{k}={v}" for k, v in parse(pytensor_flags).items() if "compiledir" in k),
-                     "its cache folder")
+        named = next((f"{k}={v} (PYTENSOR_FLAGS)" for k, v in parse(pytensor_flags).items()
+                      if "compiledir" in k), None)
+        where = named or f"{os.path.join(os.path.expanduser('~'), '.pytensor')}, under HOME"
         why = e.strerror if isinstance(e, OSError) else "it cannot be created"
-        print(f"{script}: error: PYTENSOR_FLAGS: {where}: PyTensor cannot keep its compiled "
-              f"code there ({why})", file=sys.stderr)
+        hint = "" if named else ": set HOME, or PYTENSOR_FLAGS=base_compiledir=FOLDER"
+        print(f"{script}: error: PyTensor cannot keep its compiled code in {where} ({why}){hint}",
+              file=sys.stderr)
         sys.exit(2)
     if "floatX" not in parse(pytensor_flags):
         # the default, set here rather than in the flags that child

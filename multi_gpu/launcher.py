@@ -12,6 +12,7 @@ boundary.
 """
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags, before PyTensor
 import collections
+import contextlib
 import hashlib
 import importlib.util
 import itertools
@@ -19,6 +20,7 @@ import json
 import math
 import os
 import re
+import resource
 import secrets
 import shutil
 import signal
@@ -145,6 +147,9 @@ def check_exchange(args, world, gpus):
         if gpus and shared:
             raise UsageError("--exchange xla needs a different GPU for every worker")
         return notices
+    if args.staged and not gpus:
+        raise UsageError("--staged moves GPU workers' weights through host memory: CPU "
+                         "workers' weights are in host memory already")
     sync_asked = args.sync
     if args.sync is None:
         args.sync = "gpu" if gpus else "host"
@@ -469,6 +474,53 @@ def check_steps_per_call(args, n_steps, default):
     return notices
 
 
+def check_limits(n_local):
+    """Raise this process's limit of open files to what a run needs (its
+    workers inherit it), or refuse the run in one line where the hard limit
+    is too low; and refuse it where the user's limit of processes (``ulimit
+    -u``, threads counted) leaves too little room: either would end a worker
+    deep in zmq or XLA.  (Root is held to no process limit.)"""
+    files_needed = 64 + 32 * n_local  # sockets, pipes, mapped buffers, XLA's own
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < files_needed:
+        if hard != resource.RLIM_INFINITY and hard < files_needed:
+            raise UsageError(f"ulimit -n {soft}: the run needs about {files_needed} open files "
+                             f"(this user may raise it to {hard} only)")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (files_needed, hard))
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft == resource.RLIM_INFINITY or os.geteuid() == 0:
+        return
+    threads_needed = (32 + 2 * (os.cpu_count() or 2)) * n_local + 16
+    running = threads_of(os.getuid())
+    if running + threads_needed > soft:
+        raise UsageError(f"ulimit -u {soft}: this user runs {running} threads already, and the "
+                         f"run needs about {threads_needed} more (ulimit -u counts threads)")
+
+
+def threads_of(uid):
+    """How many threads the processes of ``uid`` run now (Linux's /proc)."""
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(status["Uid"].split()[0]) == uid:
+                count += int(status["Threads"])
+        except (OSError, KeyError, ValueError):
+            pass
+    return count
+
+
+def check_xla_flags():
+    """XLA takes a word of XLA_FLAGS that is not a --flag as the name of a
+    file to read its flags from, and fails naming the file: say what is wrong."""
+    odd = next((w for w in os.environ.get("XLA_FLAGS", "").split() if not w.startswith("--")),
+               None)
+    if odd:
+        raise UsageError(f"XLA_FLAGS: {odd!r} is not a flag (each starts with --, e.g. "
+                         "--xla_force_host_platform_device_count=2)")
+
+
 def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
     """Resolve defaults and check every input; returns the notices to print.
     ``shapes`` are the model's parameters' (a checkpoint must hold them),
@@ -483,7 +535,9 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
         notices.append(f"warning: THEANO_FLAGS: 'device={flags.DEVICE_ASKED}' is ignored: "
                        "dual_mlp.py takes its devices as arguments (dual_mlp.py 0 1)")
     check_nodes(args)
+    check_xla_flags()
     args.devices, notice = choose_devices(args.devices)
+    check_limits(len(args.devices))
     notices.append(notice)
     world, gpus = args.nodes * len(args.devices), args.devices[0] != "cpu"
     notices += check_exchange(args, world, gpus)
@@ -582,7 +636,7 @@ class Worker:
     def _pass_stderr(self):
         for line in self.proc.stderr:
             if not Worker.quiet and self.SPOKEN.fullmatch(line.rstrip()):
-                sys.stderr.write(line)
+                cli.say(line, end="", file=sys.stderr)
             self.tail.append(line.rstrip())
 
     def said_why(self):
@@ -605,7 +659,11 @@ class Worker:
 
 
 def stop(workers, grace=2.0):
-    """SIGTERM every worker still running, SIGKILL what is left after ``grace``."""
+    """SIGTERM every worker still running, SIGKILL what is left after
+    ``grace``, and wait ``grace`` more for those; returns the ones that would
+    not die even so (frozen: ``docker pause``, a freezer cgroup, a stall in
+    the kernel), which the launcher names and leaves instead of waiting for
+    them without a word."""
     Worker.quiet = True
     for w in workers:
         if w.proc.poll() is None:
@@ -616,7 +674,17 @@ def stop(workers, grace=2.0):
             w.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             w.proc.kill()
-            w.proc.wait()
+    deadline = time.monotonic() + grace
+    for w in workers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            w.proc.wait(max(0.0, deadline - time.monotonic()))
+    return [w for w in workers if w.proc.poll() is None]
+
+
+def unkillable(left):
+    """What the launcher adds to its last line about workers it could not stop."""
+    return "".join(f"; worker {w.rank} (pid {w.proc.pid}) cannot be stopped (frozen?) and is "
+                   "left as it is" for w in left)
 
 
 SOCKET_PATH_MAX = 107  # an ipc:// socket's path, in bytes (Linux's sun_path, less its NUL)
@@ -677,8 +745,8 @@ def launch(args, script, rundir):
             files.make_folder(rundir)
         except FileExistsError:
             stop(workers)
-            print(f"error: the run folder {rundir} exists already, made by someone else: the "
-                  "run stops and leaves it as it is", file=sys.stderr)
+            cli.say(f"error: the run folder {rundir} exists already, made by someone else: the "
+                    "run stops and leaves it as it is", file=sys.stderr)
             return 1
         made = True
         fault_point("launcher", "folder")
@@ -693,8 +761,13 @@ def launch(args, script, rundir):
                 json.dump({k: v for k, v in vars(args).items() if k != "checked_resume"}, f)
             os.replace(request + ".part", request)
         except FileNotFoundError:
-            print(f"error: the run folder {rundir} was removed as the run started (a cleaner "
-                  "of temporary files?)", file=sys.stderr)
+            cli.say(f"error: the run folder {rundir} was removed as the run started (a cleaner "
+                    "of temporary files?)", file=sys.stderr)
+            return 1
+        except OSError as e:
+            if e.errno not in files.NO_ROOM:
+                raise
+            cli.say(f"error: {files.no_room(e, rundir)}", file=sys.stderr)
             return 1
         while not stopping.is_set():
             codes = [w.proc.poll() for w in workers]
@@ -702,7 +775,7 @@ def launch(args, script, rundir):
                 return 0
             failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
             if failed:
-                stop(workers)
+                left = stop(workers)
                 # the cause first: a worker killed by a signal, then one that said what went
                 # wrong in our own words; the others' errors may only follow from theirs
                 failed.sort(key=lambda w: (w.proc.returncode > 0, not w.said_why()))
@@ -713,14 +786,15 @@ def launch(args, script, rundir):
                     break
                 w = failed[0]
                 trace, cause = w.cause()
-                print(f"{trace}error: worker {w.rank} (device {w.dev}) failed: {cause}",
-                      file=sys.stderr)
+                cli.say(f"{trace}error: worker {w.rank} (device {w.dev}) failed: {cause}"
+                        f"{unkillable(left)}", file=sys.stderr)
                 return 1
             time.sleep(0.05)
-        stop(workers)
+        left = stop(workers)
         kept = f"; last checkpoint kept in {args.save}" if args.save and \
             os.path.exists(args.save) else ""
-        print(f"interrupted ({signal.Signals(stopping.signum).name}){kept}", file=sys.stderr)
+        cli.say(f"interrupted ({signal.Signals(stopping.signum).name}){kept}{unkillable(left)}",
+                file=sys.stderr)
         return 128 + stopping.signum
     finally:
         if made:

@@ -16,6 +16,7 @@ Shared by ``mlp.py`` (one process) and ``dual_mlp.py`` (its worker 0).
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import contextlib
 import datetime
+import errno
 import fcntl
 import io
 import json
@@ -30,6 +31,7 @@ import zipfile
 import numpy as np
 
 from multi_gpu import cli, datasets, files
+from multi_gpu.worker import fault_point
 
 
 class CheckpointError(Exception):
@@ -53,6 +55,7 @@ def save_checkpoint(path, params, best_params, **state):
                    for k, v in state.items()})
     with files.atomic_write(path) as f:
         np.savez(f, **arrays)
+        fault_point(0, "save")  # the fault tests' hook: a write not yet in place
 
 
 def checkpoint_bytes(shapes, itemsize=4):
@@ -236,6 +239,19 @@ def write_json(path, document):
         f.write(json.dumps(document, indent=2).encode())
 
 
+def write_json_or_show(path, document, speaker):
+    """``write_json``, and where it fails (a full disk, a folder gone
+    read-only), the summary on stdout after one line that says so, and exit
+    1: a run's result is never lost."""
+    try:
+        write_json(path, document)
+    except OSError as e:
+        print(f"{speaker}: error: could not write {path} ({e.strerror}); the summary follows on "
+              "stdout", file=sys.stderr)
+        print(json.dumps(document, indent=2))
+        raise SystemExit(1)
+
+
 LOCK_TAG = b"dual_mlp lock, pid "  # what a lock file this demo made starts with
 
 
@@ -283,26 +299,37 @@ def check_not_a_lock(path, locks):
 @contextlib.contextmanager
 def lock(path, lock_path, room):
     fd = take_lock(path, lock_path)
+    with cli.on_quit(lambda: release(fd, lock_path)):
+        try:
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, LOCK_TAG + str(os.getpid()).encode(), 0)
+            except OSError as e:  # a full disk takes an empty file, not its first bytes
+                raise CheckpointError(f"cannot write {path}: {e.strerror.lower()}") from None
+            folder, name = os.path.split(path)
+            for entry in os.listdir(folder):
+                pid = files.is_temporary_of(entry, name)
+                if pid is not None and pid != os.getpid() and not alive(pid):
+                    os.unlink(os.path.join(folder, entry))
+            if room:
+                set_aside(path, room)
+            yield
+        finally:
+            release(fd, lock_path)
+
+
+def release(fd, lock_path):
+    """Remove the lock file where it is still the one ``fd`` holds, then close it."""
     try:
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, LOCK_TAG + str(os.getpid()).encode(), 0)
-        except OSError as e:  # a full disk takes an empty file, not its first bytes
-            raise CheckpointError(f"cannot write {path}: {e.strerror.lower()}") from None
-        folder, name = os.path.split(path)
-        for entry in os.listdir(folder):
-            pid = files.is_temporary_of(entry, name)
-            if pid is not None and pid != os.getpid() and not alive(pid):
-                os.unlink(os.path.join(folder, entry))
-        if room:
-            set_aside(path, room)
-        yield
-    finally:
-        try:
-            if os.path.samestat(os.fstat(fd), os.lstat(lock_path)):
-                os.unlink(lock_path)
-        except FileNotFoundError:
-            pass
+        if os.path.samestat(os.fstat(fd), os.lstat(lock_path)):
+            os.unlink(lock_path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # its folder went read-only, or the descriptor is closed already
+        if e.errno != errno.EBADF:
+            print(f"warning: could not remove the lock {lock_path} ({e.strerror}); a later run "
+                  "takes it over", file=sys.stderr)
+    with contextlib.suppress(OSError):
         os.close(fd)
 
 

@@ -1,9 +1,7 @@
 """Worker 0's words: the compile heartbeat's text, a run that diverged, the
 closing lines and the ``--json`` summary of ``dual_mlp.py``."""
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
-import json
 import platform
-import sys
 
 import numpy as np
 import pytensor
@@ -15,7 +13,8 @@ class Diverged(Exception):
     """The training diverged: one line, which names the likely cause."""
 
 
-def check_finite(weights, epoch, args):
+def check_finite(weights, epoch, learning_rate, l1=0.0, l2=0.0,
+                 kept="The last checkpoint, if any, is the last good one"):
     """Stop a run whose training diverged, before its weights are validated
     or saved: weights NaN or infinite, or a cost that is no longer a number
     (its penalty terms, ``l1 * sum|W| + l2 * sum W**2`` over the two weight
@@ -26,20 +25,17 @@ def check_finite(weights, epoch, args):
     what float32 cannot hold.)"""
     matrices = [w for w in weights if w.ndim == 2]
     with np.errstate(over="ignore", invalid="ignore"):
-        penalty = (np.float32(args.l1) * sum(np.abs(w).sum(dtype=np.float32) for w in matrices)
-                   + np.float32(args.l2) * sum(np.square(w).sum(dtype=np.float32)
-                                               for w in matrices))
+        penalty = sum(np.float32(rate) * sum(term(w).sum(dtype=np.float32) for w in matrices)
+                      for rate, term in ((l1, np.abs), (l2, np.square)) if rate)
     finite = all(np.isfinite(w).all() for w in weights)
     if finite and np.isfinite(penalty):
         return
-    shrink = 1 - 2 * args.learning_rate * args.l2
-    why = (f"--l2 {args.l2:g} is too large for --learning-rate {args.learning_rate:g}: each "
+    shrink = 1 - 2 * learning_rate * l2
+    why = (f"--l2 {l2:g} is too large for --learning-rate {learning_rate:g}: each "
            f"step scales the weights by 1 - 2 * rate * l2 = {shrink:.3g}"
-           if abs(shrink) > 1 and args.l2 > 1 else
-           f"is --learning-rate {args.learning_rate:g} too large?")
+           if abs(shrink) > 1 and l2 > 1 else f"is --learning-rate {learning_rate:g} too large?")
     raise Diverged(f"after epoch {epoch} {'the cost is' if finite else 'the weights are'} no "
-                   f"longer finite (NaN or inf): the training diverged; {why} The last "
-                   "checkpoint, if any, is the last good one")
+                   f"longer finite (NaN or inf): the training diverged; {why} {kept}".strip())
 
 
 def compiling(what, mode=None, where="cpu"):
@@ -92,10 +88,4 @@ def summarise(args, progress, trainer, n_steps, world, wall, device, say):
     if args.check:
         summary["max_replica_diff"] = trainer.max_diff
     summary.update(averaged)
-    try:
-        records.write_json(args.json, summary)
-    except OSError as e:  # a full disk, say: the run's result must not be lost
-        print(f"worker 0: error: could not write {args.json} ({e.strerror}); the summary "
-              "follows on stdout", file=sys.stderr)
-        print(json.dumps(summary, indent=2))
-        raise SystemExit(1)
+    records.write_json_or_show(args.json, summary, "worker 0")

@@ -13,11 +13,13 @@ Imported before PyTensor, it maps ``THEANO_FLAGS`` onto PyTensor's flags
   ``quiet_start_up``, and ``run``, which says in one line what went wrong;
 * the device the flags ask for (``device=cudaN``, or the CPU): ``device_from_flags``;
 * the records: ``save_checkpoint``, ``epoch_record``, ``run_header``,
-  ``write_json``.
+  ``write_json_or_show``; ``check_finite``, which stops a run that diverged before
+  it writes anything.
 """
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags
 import importlib.metadata
 import os
+import shutil
 import sys
 import tempfile
 
@@ -25,8 +27,9 @@ from multi_gpu import cli, datasets, devices, records
 from multi_gpu.cli import (backend_name, heartbeat, non_negative, positive,  # noqa: F401
                            positive_int, quiet_start_up, seed, writable)
 from multi_gpu.datasets import N_CLASSES, N_PIXELS, DatasetError, read, resolve  # noqa: F401
-from multi_gpu.records import epoch_record, run_header, save_checkpoint, write_json  # noqa: F401
-from multi_gpu.report import compiling  # noqa: F401
+from multi_gpu.records import (epoch_record, run_header, save_checkpoint,  # noqa: F401
+                               write_json_or_show)
+from multi_gpu.report import Diverged, check_finite, compiling  # noqa: F401
 
 parser = cli.tutorial_parser
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"  # one folder per GPU the NVIDIA driver sees
@@ -86,12 +89,16 @@ def run(script, train, dataset, outputs=None, shapes=None):
             raise DatasetError(too_big)
         room = records.checkpoint_bytes(shapes) if shapes else 0
         with records.hold(*outputs.values(), room=room), \
-                tempfile.TemporaryDirectory() as sources:
+                tempfile.TemporaryDirectory() as sources, \
+                cli.on_quit(lambda: shutil.rmtree(sources, ignore_errors=True)):
             tempfile.tempdir = sources  # PyTensor's compiled graphs' sources, which it leaves
             train()
     except (DatasetError, records.CheckpointError) as e:
         print(f"{script}: error: {e}", file=sys.stderr)
         return 2
+    except Diverged as e:
+        print(f"{script}: error: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"{script}: error: could not write {e.filename}: {e.strerror}", file=sys.stderr)
         return 1

@@ -59,7 +59,7 @@ def stop_point(rank, where):
 
 
 FAULT = os.environ.get("DUAL_MLP_FAULT", "").split(":")  # read once: it is on every step's path
-FAULT_PLACES = ("start", "train", "exchange", "spawned", "folder")
+FAULT_PLACES = ("start", "train", "exchange", "save", "spawned", "folder")
 FAULT_KINDS = ("raise", "oom", "kill", "hint", "stop")
 
 
@@ -77,7 +77,8 @@ def fault_spec_problem():
 
 def fault_point(rank, where):
     """The fault tests' hook: DUAL_MLP_FAULT=RANK:WHERE:HOW makes worker RANK
-    fail on reaching WHERE (start, train, exchange) by HOW (raise, oom, kill,
+    fail on reaching WHERE (start, train, exchange, save: a checkpoint written
+    but not yet in place) by HOW (raise, oom, kill,
     or hint: an error whose message ends in a hint line, as PyTensor's do),
     or pause there (stop: SIGSTOP, until the test has acted and sends SIGCONT)."""
     if FAULT[:2] != [str(rank), where]:
@@ -244,6 +245,7 @@ def quit_now(code):
     still be opening their sockets in it)."""
     if RUN_FOLDER and (stopping.is_set() or os.getppid() != LAUNCHER):
         files.remove_folder(RUN_FOLDER)  # only where it is ours: never a stranger's
+    files.drop_unfinished_writes()  # a checkpoint being written when the end came
     release_stdout()
     with contextlib.suppress(OSError):  # the launcher's end is closed
         sys.stderr.flush()
@@ -273,6 +275,7 @@ def keep_stdout_clean(rank, rundir):
                 try:
                     os.write(terminal, line)
                 except BrokenPipeError:  # python dual_mlp.py | head: end as head expects
+                    files.drop_unfinished_writes()  # a checkpoint being written just then
                     os._exit(128 + signal.SIGPIPE)
     FORWARD = threading.Thread(target=forward, daemon=True)
     FORWARD.start()
@@ -352,6 +355,14 @@ def run_worker(work, index, launcher_pid, one_line_errors):
             code = 128 + stopping.signum
         elif isinstance(e, one_line_errors):
             print(f"worker {rank}: error: {e}", file=sys.stderr)
+            code = 1
+        elif isinstance(e, RuntimeError) and "can't start new thread" in str(e):
+            print(f"worker {rank}: error: it could not start a thread: is the user's process "
+                  "limit (ulimit -u) too low?", file=sys.stderr)
+            code = 1
+        elif isinstance(e, OSError) and e.errno in files.NO_ROOM and e.filename and \
+                str(e.filename).startswith(rundir):
+            print(f"worker {rank}: error: {files.no_room(e, rundir)}", file=sys.stderr)
             code = 1
         else:
             traceback.print_exc()

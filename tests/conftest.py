@@ -45,9 +45,20 @@ TOKEN = f"{os.getpid()}-{time.time_ns()}"
 LAUNCHERS = set()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compiled_sources_in_the_test_cache(tmp_path_factory):
+    """The graphs this process compiles leave their Python sources in
+    temporary files (PyTensor never removes them): into the test run's own
+    folder, once pytest has placed its own (kept for failed tests)."""
+    tmp_path_factory.getbasetemp()
+    tempfile.tempdir = tempfile.mkdtemp(dir=os.environ["DUAL_MLP_TESTS_CACHE"])
+    yield
+    tempfile.tempdir = None
+
+
 def environment(env=None):
     own_home = {"PYTENSOR_FLAGS": USER_FLAGS} if "HOME" in (env or {}) else {}
-    return dict(os.environ, DUAL_MLP_TESTS=TOKEN, **own_home, **(env or {}))
+    return dict(os.environ, DUAL_MLP_TESTS=TOKEN, **{**own_home, **(env or {})})
 
 
 def script(name, *args, env=None, timeout=600, cwd=ROOT):

@@ -46,11 +46,13 @@ def test_the_training_set_is_tiled_for_enough_steps_per_epoch_at_every_batch(tmp
     assert capped(n)[1] == 3 * n
 
 
-def test_compare_stops_at_a_failing_run_without_figures(tmp_path):
+def test_compare_stops_at_a_missing_data_set_before_it_runs_anything(tmp_path):
     out = script("bench.compare", "--cpu", "--out", tmp_path, "--dataset", tmp_path / "none")
-    assert out.returncode != 0
-    assert out.stderr.strip().splitlines() == [f"compare.py: error: {tmp_path / 'none'}: cannot "
-                                               "read: No such file or directory"]
+    assert out.returncode == 2 and "$ " not in out.stdout
+    assert out.stderr.strip().splitlines() == [
+        f"python -m bench.compare: error: dataset not found: {tmp_path / 'none'} (python -m "
+        "multi_gpu.datasets download fetches MNIST into ./mnist.pkl.gz; leave --dataset out for "
+        "the 5,000 shipped digits) (see --help)"]
     assert not (tmp_path / "compare_cpu.json").exists()
 
 

@@ -32,6 +32,15 @@ def as_nobody(*command, **kw):
                            *command], capture_output=True, text=True, timeout=60, **kw)
 
 
+def their_python():
+    """A Python the other user can run (this one may live in a folder of
+    root's alone), for the few lines of the standard library they try."""
+    for python in (sys.executable, "/usr/bin/python3"):
+        if os.path.exists(python) and as_nobody(python, "-c", "print(1)").stdout.strip() == "1":
+            return python
+    pytest.skip("no Python that another user can run here")
+
+
 def run_folder_of(proc):
     """The run folder a launcher's workers were given (in their environment)."""
     workers = wait_for(lambda: len(workers_of(proc)) == 2 and workers_of(proc), 60,
@@ -60,9 +69,8 @@ def test_another_user_can_neither_learn_nor_take_the_run_folder(tmp_path):
         assert os.path.basename(folder).startswith("dual_mlp-")
         for p in [psutil.Process(proc.pid)] + workers:
             assert not any(os.path.basename(folder) in arg for arg in p.cmdline()), p.cmdline()
-        peek = as_nobody(sys.executable, "-c", f"print(open('/proc/{workers[0].pid}/environ')"
-                                               ".read())")
-        assert peek.returncode != 0 and "Permission denied" in peek.stderr
+        peek = as_nobody("cat", f"/proc/{workers[0].pid}/environ")
+        assert peek.returncode != 0 and "Permission denied" in peek.stderr, peek
         plant = as_nobody("sh", "-c", f"mkdir -m 755 {folder} && echo '{{}}' > {folder}/config.json"
                                       f" && ln -s {precious} {folder}/alive-0"
                                       f" && ln -s {precious} {folder}/alive-1")
@@ -231,9 +239,9 @@ def test_the_one_machine_coordinator_is_out_of_other_users_reach(no_leftovers):
         coordinator = os.path.join(folder, "coordinator.sock")
         assert os.path.exists(coordinator)
         if os.geteuid() == 0 and shutil.which("setpriv"):
-            knock = as_nobody(sys.executable, "-c", "import socket; s = socket.socket("
+            knock = as_nobody(their_python(), "-c", "import socket; s = socket.socket("
                               f"socket.AF_UNIX); s.connect({coordinator!r})")
-            assert knock.returncode != 0 and "Permission denied" in knock.stderr, knock.stderr
+            assert knock.returncode != 0 and "PermissionError" in knock.stderr, knock.stderr
     finally:
         code, _, err = finish(proc, timeout=120)
     assert code == 0, err

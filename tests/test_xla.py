@@ -36,14 +36,14 @@ def three_by_xla(tmp_path_factory):
     folder = tmp_path_factory.mktemp("three_by_xla")
     summary, out = run(folder, "three", "cpu", "cpu", "cpu", "--exchange", "xla", "--epochs", 2,
                        "--check")
-    return summary, out, weights(folder, "three")
+    return summary, out, weights(folder, "three"), folder / "three.npz"
 
 
 def test_three_workers_equal_two_at_the_same_total_batch(tmp_path, three_by_xla):
     """Worker k of 3 at batch 100 trains on rows 300t+100k..; two workers at
     150 on rows 300t+150k..: the same 300 rows a step, so the same weights,
     up to float reordering (JAX's CPU backend here, Numba's there)."""
-    three, out, three_weights = three_by_xla
+    three, out, three_weights, _ = three_by_xla
     two, _ = run(tmp_path, "two", "cpu", "cpu", "--batch-size", 150, "--epochs", 2)
     assert three["workers"] == 3 and three["exchange"] == "xla" and two["exchange"] == "p2p"
     assert three["max_replica_diff"] == 0.0
@@ -61,7 +61,7 @@ def test_three_workers_peer_to_peer_hold_the_xla_average(tmp_path, three_by_xla)
     --avg; the replicas stay identical, and the weights are --exchange xla's
     up to float reordering (NumPy and Numba here, XLA there): within 1e-6
     absolute (measured: 1.5e-7 after 20 steps)."""
-    xla, _, xla_weights = three_by_xla
+    xla, _, xla_weights, _ = three_by_xla
     for avg in ("theano", "pycuda", "cpu"):  # p2p: the default for CPUs of one machine
         p2p, out = run(tmp_path, "p2p", "cpu", "cpu", "cpu", "--avg", avg, "--epochs", 2,
                        "--check")
@@ -172,14 +172,19 @@ def test_a_node_alone_reports_the_missing_nodes_within_the_timeout(no_leftovers,
 
 
 @pytest.mark.parametrize("exchange", ["xla", "p2p"])
-def test_resumed_three_worker_run_equals_an_uninterrupted_one(tmp_path, exchange):
+def test_resumed_three_worker_run_equals_an_uninterrupted_one(tmp_path, exchange, request):
+    """One epoch, then resumed to two, against two at once (under xla, the
+    module's run of two epochs: --check only reads the weights)."""
     common = ("cpu", "cpu", "cpu", "--exchange", exchange)
-    run(tmp_path, "full", *common, "--epochs", 3)
+    if exchange == "xla":
+        full = request.getfixturevalue("three_by_xla")[3]
+    else:
+        run(tmp_path, "full", *common, "--epochs", 2)
+        full = tmp_path / "full.npz"
     run(tmp_path, "half", *common, "--epochs", 1)
-    _, out = run(tmp_path, "resumed", *common, "--epochs", 3, "--resume", tmp_path / "half.npz")
-    assert "resumed from" in out.stdout and "epoch 1/3:" not in out.stdout
-    assert_identical_checkpoints(tmp_path / "full.npz", tmp_path / "resumed.npz",
-                                 records.TRAINING_STATE)
+    _, out = run(tmp_path, "resumed", *common, "--epochs", 2, "--resume", tmp_path / "half.npz")
+    assert "resumed from" in out.stdout and "epoch 1/2:" not in out.stdout
+    assert_identical_checkpoints(full, tmp_path / "resumed.npz", records.TRAINING_STATE)
 
 
 def test_bad_requests_for_many_workers_get_one_line_exit_2(tmp_path, no_leftovers):
