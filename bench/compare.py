@@ -57,6 +57,7 @@ from dual_mlp import STEPS_PER_CALL
 from multi_gpu.cli import Parser
 
 BATCHES = (500, 5000, 20000)
+CPU_BATCHES = (100, 500, 5000)
 K = ["--steps-per-call", str(STEPS_PER_CALL)]
 ONE_GPU = {"CUDA_VISIBLE_DEVICES": "0"}
 # (system of references.py, its options, environment, label)
@@ -165,17 +166,22 @@ def demo(name, args, batch, workers, steps, tiles, tmp, env=None):
     figure.update({k: s[k] for k in ("exchange_callbacks", "host_us_per_call", "host_us_per_step",
                                      "steps_per_call", "exchange_steps", "max_replica_diff")
                    if k in s})
+    if "train" in s["step_us"]:  # the host-ordered loop times its phases
+        phases = s["step_us"]
+        figure.update(train_us=phases["train"], waiting_us=phases["waiting"],
+                      exchange_us=sum(phases[k] for k in ("publish", "signal", "copy",
+                                                           "average")))
     print(f"  {name:28s} B={batch:6d}: {figure['samples_per_s'] / 1e6:8.2f} M samples/s "
           f"{us:8.0f} us/step  ({s['wall_s']:.0f} s to run)", flush=True)
     return figure
 
 
-def reference(system, options, env, label, batches, steps, data):
+def reference(system, options, env, label, batches, steps, data, optional=None):
     """A reference system at every batch size, cycling through ``data``
     (it validates nothing, so no tiling changes its figures)."""
     out = run([sys.executable, "-m", "bench.references", system, *options, "--dataset", data,
                "--batches", *map(str, batches), "--steps", str(steps)], env,
-              optional=system in OPTIONAL)
+              optional=system in OPTIONAL if optional is None else optional)
     rates = json.loads(out.stdout.strip().splitlines()[-1])
     figures = []
     for batch in batches:
@@ -222,10 +228,74 @@ def gpu_runs(args, tiles, tmp, figures):
             add_reference(system, *how)
 
 
+ONE_PROCESS = "one process (mlp.py), twice the batch"
+CPU_REFERENCES = (("torch", "PyTorch, one process on every core, twice the batch", 2, {}),
+                  ("ddp", "PyTorch DDP over gloo, two processes", 1, {}),
+                  ("jax", "JAX jit over two CPU devices, one process", 1,
+                   {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}))
+
+
 def cpu_runs(args, tiles, tmp, figures):
-    """CI's subset: the demo on two CPU workers against the tutorial's one process."""
-    figures.add(demo("one CPU process (mlp.py)", [], 500, 1, args.steps, tiles, tmp))
-    figures.add(demo("demo cpu cpu", ["cpu", "cpu"], 500, 2, args.steps, tiles, tmp))
+    """Two CPU workers beside what a CPU user would pick, on the same cores
+    (this process's, which every run inherits): the tutorial's one process
+    and PyTorch on all of them at twice the batch (the same examples a
+    step), PyTorch's DDP over gloo (two processes, a core each), JAX's own
+    data parallelism over two CPU devices in one process; the demo averaging
+    every step, every fourth (local SGD), and through XLA (gloo).  Then the
+    floor: one copy of the weights and one averaging pass, on one core."""
+    for batch in args.batches:
+        one = demo(ONE_PROCESS, [], 2 * batch, 1, args.steps, tiles, tmp)
+        figures.add(dict(one, batch=batch))  # a row per examples a step: batch per worker
+        for name, more in (("demo cpu cpu", []), ("demo cpu cpu --average-every 4",
+                                                  ["--average-every", "4"]),
+                           ("demo cpu cpu --exchange xla", ["--exchange", "xla"])):
+            figures.add(demo(name, ["cpu", "cpu", *more], batch, 2, args.steps, tiles, tmp))
+    for system, label, times, env in CPU_REFERENCES:
+        for batch in args.batches:  # one run each: a batch where it fails keeps the others
+            try:
+                found = reference(system, ["--cpu"], dict(env, JAX_PLATFORMS="cpu"), label,
+                                  [times * batch], args.steps, tiles(2 * batch)[0],
+                                  optional=True)
+            except Failed as e:
+                print(f"  {label} @ {batch}: did not run here: {e}", flush=True)
+                figures.meta.setdefault("not_run", {})[f"{label} @ {batch}"] = str(e)[:300]
+                continue
+            for figure in found:
+                figures.add(dict(figure, batch=batch))
+    figures.meta["floor"] = floor()
+    figures.write(complete=False)
+
+
+FLOOR = """
+import os, sys, time
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+import numpy as np, jax
+n = int(sys.argv[1])
+a, b, c = (np.random.rand(n).astype(np.float32) for _ in range(3))
+mean = jax.jit(lambda x, y: (x + y) / 2)
+x, y = jax.device_put(a), jax.device_put(b)
+def us(f, r=300):
+    f()
+    t = time.perf_counter()
+    for _ in range(r):
+        f()
+    return (time.perf_counter() - t) / r * 1e6
+print(us(lambda: np.copyto(c, a)), us(lambda: mean(x, y).block_until_ready()))
+"""
+
+
+def floor():
+    """What moving and averaging the weights costs at the least, on one core
+    (one thread): one copy of them (NumPy) and one pass that reads two copies
+    and writes their mean (XLA, fused): the exchange's floor."""
+    import mlp
+    n = sum(int(np.prod(s)) for s in mlp.parameter_shapes(784, 500, 10))
+    out = run([sys.executable, "-c", FLOOR, str(n)],
+              dict(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_multi_thread_eigen=false"))
+    copy_us, average_us = map(float, out.stdout.split())
+    print(f"  the floor: a copy of the weights {copy_us:.0f} us, an averaging pass "
+          f"{average_us:.0f} us (one core)", flush=True)
+    return dict(copy_us=copy_us, average_us=average_us, us=copy_us + average_us, values=n)
 
 
 class Figures(list):
@@ -324,11 +394,28 @@ def table(document):
         lines.append(f"\n{name}: {r['over_one_gpu']:.2f}x one GPU, {r['over_jax_mesh']:.3f}x "
                      f"JAX's own data parallelism{best}{bound}")
     if cpu:
-        lines.append("\nOn the CPU the one process of mlp.py spreads each matrix product over "
-                     "every core, and the demo's workers get one core each: for a model this "
-                     "small, splitting a product costs more than it saves, so two one-core "
-                     "workers do more with two cores than one process with both.")
+        lines += cpu_lines(document, by)
     return "\n".join(lines)
+
+
+def cpu_lines(document, by):
+    """Under the CPU table: the cores and the load, and the demo's exchange
+    against the floor and against its own training, at each batch."""
+    floor = document.get("floor")
+    lines = [f"\nEvery system on cores {', '.join(map(str, document['cores']))} (load average "
+             f"{document['load'][0]:.2f} as the run began)."]
+    if floor:
+        lines.append(f"\nThe floor, on one core: a copy of the weights {floor['copy_us']:.0f} us "
+                     f"and an averaging pass {floor['average_us']:.0f} us, {floor['us']:.0f} us.")
+    for batch in sorted({b for _, b in by}):
+        f = by.get(("demo cpu cpu", batch))
+        if f and "exchange_us" in f and floor:
+            lines.append(f"\ndemo cpu cpu @ {batch}: publish, signals, copy and average "
+                         f"{f['exchange_us']:.0f} us a step, {f['exchange_us'] / floor['us']:.2f}x "
+                         f"the floor and {f['exchange_us'] / f['train_us']:.2f}x its train phase "
+                         f"({f['train_us']:.0f} us; {f['waiting_us']:.0f} us more waiting for the "
+                         "later peer)")
+    return lines
 
 
 def main():
@@ -346,7 +433,9 @@ def main():
                         help="then regenerate the README tables from the JSON written")
     args = parse_args(parser, table)
     if args.cpu:
-        args.epoch_steps, args.steps = 1, min(args.steps, 12)
+        os.sched_setaffinity(0, os.sched_getaffinity(0))  # every run on these cores, said below
+        args.batches = args.batches if args.batches != BATCHES else CPU_BATCHES
+        args.epoch_steps, args.steps = min(args.epoch_steps, 10), min(args.steps, 60)
     versions = {}
     for module in ("numpy", "pytensor", "jax", "torch", "zmq", "pycuda"):
         try:
@@ -355,7 +444,8 @@ def main():
             pass
     name = "compare_cpu" if args.cpu else "compare"
     figures = Figures(name, args.out, device=device_name(args.cpu), cpu=args.cpu,
-                      dataset=args.dataset,
+                      dataset=args.dataset, cores=sorted(os.sched_getaffinity(0)),
+                      load=os.getloadavg(),
                       epoch_steps=args.epoch_steps, min_steps=args.steps, versions=versions)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

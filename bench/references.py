@@ -45,6 +45,7 @@ from multi_gpu import datasets
 from multi_gpu.cli import Parser
 
 N_HIDDEN, WARM_UP = 500, 20
+CPU = False  # --cpu: the references on the CPU
 DDP_GRAPH_WARM_UP = 11  # eager DDP steps before a capture, as PyTorch's CUDA graph notes ask
 # the demo's defaults; --curve takes others
 Hyper = collections.namedtuple("Hyper", "learning_rate l2")
@@ -74,8 +75,11 @@ class TorchModel:
     def __init__(self, x, y, rank):
         import torch
         torch.backends.cuda.matmul.allow_tf32 = False
-        self.torch, self.device = torch, torch.device("cuda", rank)
-        torch.cuda.set_device(self.device)
+        if CPU:
+            self.torch, self.device = torch, torch.device("cpu")
+        else:
+            self.torch, self.device = torch, torch.device("cuda", rank)
+            torch.cuda.set_device(self.device)
         self.x, self.y = torch.from_numpy(x).to(self.device), \
             torch.from_numpy(y).long().to(self.device)
         self.layers = torch.nn.Sequential(torch.nn.Linear(784, N_HIDDEN), torch.nn.Tanh(),
@@ -108,7 +112,8 @@ def torch_trainer(x, y, batch, hyper, rank=0, world=1, compiled=False):
     m = TorchModel(x, y, rank)
     model = m.layers
     if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(m.layers, device_ids=[rank])
+        model = torch.nn.parallel.DistributedDataParallel(m.layers,
+                                                          device_ids=None if CPU else [rank])
     if compiled:
         model = torch.compile(model)
     optimiser = torch.optim.SGD(model.parameters(), lr=hyper.learning_rate)
@@ -130,7 +135,8 @@ def torch_trainer(x, y, batch, hyper, rank=0, world=1, compiled=False):
             t += 1
 
     reset()
-    return Trainer(run_steps, torch.cuda.synchronize, m.error, reset, world, n_batches)
+    return Trainer(run_steps, (lambda: None) if CPU else torch.cuda.synchronize, m.error, reset,
+                   world, n_batches)
 
 
 def torch_graph_trainer(x, y, batch, hyper, rank=0, world=1):
@@ -368,11 +374,16 @@ def job(args, data, rank=0, world=1):
 
 
 def ddp_worker(rank, world, port, args, queue):
+    global CPU
+    CPU = args.cpu  # a spawned process: the module read afresh
+    import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if args.system == "ddp-graph":  # a collective in a CUDA graph: PyTorch's notes ask for it
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
-    dist.init_process_group("nccl", rank=rank, world_size=world)
+    if CPU:  # the cores shared out, as the demo's launcher shares them out
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+    dist.init_process_group("gloo" if CPU else "nccl", rank=rank, world_size=world)
     try:
         # read here: data handed to mp.spawn would be pickled through a pipe,
         # gigabytes of it for each process
@@ -384,11 +395,12 @@ def ddp_worker(rank, world, port, args, queue):
 
 
 def ddp(args):
-    """One process per GPU, DistributedDataParallel over NCCL."""
+    """One process per GPU, DistributedDataParallel over NCCL (on CPUs: two
+    processes over gloo, as PyTorch runs DDP without GPUs)."""
     import torch
     import torch.multiprocessing as mp
     from multi_gpu.launcher import free_port
-    world, port = torch.cuda.device_count(), free_port()
+    world, port = (2 if CPU else torch.cuda.device_count()), free_port()
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(ddp_worker, args=(world, port, args, queue), nprocs=world)
     return queue.get()
@@ -409,10 +421,17 @@ def main():
     parser.add_argument("--epochs", type=int, default=100)
     parser.add_argument("--learning-rate", type=float, default=DEFAULTS.learning_rate)
     parser.add_argument("--l2", type=float, default=DEFAULTS.l2)
+    parser.add_argument("--cpu", action="store_true",
+                        help="on the CPU: torch on all the cores, ddp as two processes over "
+                             "gloo, jax over the CPU devices XLA_FLAGS gives it")
     parser.add_argument("--out", metavar="DIR",
                         help="also write what it prints, with the date, machine and command, "
                              "to DIR/references_SYSTEM.json")
     args = parser.parse_args()
+    global CPU
+    CPU = args.cpu
+    if CPU and args.system.endswith("graph"):
+        parser.error(f"{args.system} captures CUDA graphs: GPUs only")
     args.hyper = Hyper(args.learning_rate, args.l2)
     result = ddp(args) if args.system.startswith("ddp") else job(args, datasets.read(args.dataset))
     print(json.dumps(result))

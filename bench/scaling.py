@@ -24,6 +24,7 @@ from bench.common import RESULTS, load, measured_by, parse_args, pyplot, rate, r
 from bench.compare import Tiles, demo, reference
 
 from multi_gpu import datasets
+from multi_gpu import cli
 from multi_gpu.cli import Parser
 
 JAX = "JAX jit over a mesh of the same devices"
@@ -128,10 +129,12 @@ def main():
     parser.add_argument("--epoch-steps", type=int, default=100,
                         help="steps per epoch, at least: the training set is tiled to give "
                              "them, as in compare.py (default: %(default)s)")
+    parser.add_argument("--workers", type=cli.positive_int, nargs="+", default=[1, 2, 3, 4],
+                        help="--cpu: the worker counts (default: %(default)s)")
     parser.add_argument("--out", default=RESULTS, help="folder for scaling.json and .png")
     args = parse_args(parser, table)
     if args.cpu:
-        args.workers, args.batches, args.epoch_steps, args.steps = [1, 2, 3], [100], 1, 12
+        args.batches, args.epoch_steps, args.steps = [100], 1, 12
     else:
         gpus = gpu_count()
         args.workers = [n for n in (1, 2, 4, 8) if n <= gpus]
@@ -140,7 +143,7 @@ def main():
     name = "scaling_cpu" if args.cpu else "scaling"
     with tempfile.TemporaryDirectory() as tmp:
         figures, checks = measure(args, Tiles(args.dataset, tmp, args.epoch_steps), tmp)
-    path = record(name, args.out, workers=args.workers, batches=args.batches,
+    path = record(name, args.out, cpu=args.cpu, workers=args.workers, batches=args.batches,
                   dataset=args.dataset, epoch_steps=args.epoch_steps, min_steps=args.steps,
                   max_replica_diff=checks, figures=efficiency(figures))
     plot(figures, os.path.join(args.out, f"{name}.png"))

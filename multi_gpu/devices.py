@@ -156,11 +156,11 @@ class HostDevice:
     def wait(self, values):
         pass  # NumPy work is done when the call returns
 
-    def average_in_place(self, params, recv, layout, n_workers):
+    def average_in_place(self, params, received, layout):
         """``--avg pycuda`` on the CPU: the direct array operation, in place:
-        each parameter set to the mean of every worker's (``recv``), summed in
-        rank order."""
-        mean_into([storage(p) for p in params], recv, layout, n_workers)
+        each parameter set to the mean of every worker's (``received``),
+        summed in rank order."""
+        mean_into([storage(p) for p in params], layout.slots(received))
 
     def close(self):
         pass
@@ -208,11 +208,20 @@ class JaxDevice:
     def wait(self, values):
         self.jax.block_until_ready(values)
 
-    def average_in_place(self, params, recv, layout, n_workers):
-        """``--avg pycuda`` on JAX's CPU: JAX's arrays cannot be written, so
-        NumPy's in-place mean goes into fresh host copies, handed to JAX."""
+    def average_in_place(self, params, received, layout):
+        """``--avg pycuda`` on JAX's CPU: where the transport has summed the
+        mean already (one buffer: the CPU's shared mean), every parameter
+        reads it where it lies, no copy; else JAX's arrays cannot be written,
+        so NumPy's in-place mean goes into fresh host copies, handed to JAX."""
+        if len(received) == 1 and received[0].size == layout.size:
+            if getattr(self, "aliased", (None,))[0] is not received[0]:  # made once
+                self.aliased = received[0], [self.alias(v) for v in layout.views(received[0])]
+            for p, view in zip(params, self.aliased[1]):
+                place(p, view)
+            return
+        everyone = layout.slots(received)
         means = [self.to_host(storage(p)) for p in params]
-        mean_into(means, recv, layout, n_workers)
+        mean_into(means, everyone)
         for p, mean in zip(params, means):
             place(p, self.put(mean))
 
@@ -271,9 +280,11 @@ class CudaDevice(JaxDevice):
     def alias(self, recv):
         return recv  # already on the GPU
 
-    def average_in_place(self, params, recv, layout, n_workers):
+    def average_in_place(self, params, received, layout):
         """``--avg pycuda``: the kernel, in place on the buffers JAX handed
         back; safe because nothing else holds them and we wait for it."""
+        (recv,) = received
+        n_workers = recv.size // layout.size
         base, itemsize = self.pointer(recv), layout.dtype.itemsize
         for mine, offset in zip([storage(p) for p in params], layout.offsets):
             n = mine.size
@@ -297,10 +308,10 @@ def host_buffer(size, dtype):
     return raw[start:start + size * dtype.itemsize].view(dtype)
 
 
-def mean_into(arrays, recv, layout, n_workers):
-    """Each array set to the mean of every worker's (``recv``), in place,
-    summed in rank order."""
-    everyone = layout.slots(recv, n_workers)
+def mean_into(arrays, everyone):
+    """Each array set to the mean of every worker's (``everyone``: their
+    parameters in rank order), in place, summed in rank order."""
+    n_workers = len(everyone)
     for i, mine in enumerate(arrays):
         np.copyto(mine, everyone[0][i])
         for theirs in everyone[1:]:

@@ -95,11 +95,11 @@ def new_file(path, size=0, text=False):
     return os.fdopen(fd, "w" if text else "r+b")
 
 
-def open_file(path, text=False):
-    """A file of the run folder, opened for reading without following a link,
-    and only if it is a regular file of this user's."""
-    return os.fdopen(_checked(os.open(path, os.O_RDONLY | FLAGS), path),
-                     "r" if text else "rb")
+def open_file(path, text=False, write=False):
+    """A file of the run folder, opened for reading (and ``write``: writing)
+    without following a link, and only if it is a regular file of this user's."""
+    fd = _checked(os.open(path, (os.O_RDWR if write else os.O_RDONLY) | FLAGS), path)
+    return os.fdopen(fd, ("r+" if write else "r") + ("" if text else "b"))
 
 
 def temporary_prefix(path):

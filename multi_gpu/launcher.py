@@ -118,8 +118,8 @@ def check_exchange(args, world, gpus):
     shared = len(set(args.devices)) < len(args.devices)  # GPUs; CPU workers always share
     exchange_asked, staged_asked = args.exchange, args.staged
     if args.exchange is None:
-        # measured: on CPUs the host-ordered exchange beats gloo's all-reduce at any count
-        # (bench/results/scaling_cpu.json); GPUs past two stay on NCCL until measured
+        # measured: on CPUs the host-ordered exchange beats gloo's all-reduce at 2, 3 and 4
+        # workers (bench/results/scaling_cpu.json); GPUs past two stay on NCCL until measured
         args.exchange = "p2p" if args.nodes == 1 and (world == 2 or not gpus or shared) \
             else "xla"
     if args.exchange == "p2p" and args.nodes > 1:
@@ -158,7 +158,9 @@ def check_exchange(args, world, gpus):
                          "orders it (--sync host)")
     if args.sync == "gpu" and args.avg:
         raise UsageError("--avg chooses how the host-ordered loop averages: add --sync host")
-    args.avg = args.avg or "theano"
+    # measured: on CPUs the mean read where the workers summed it is the fastest
+    # (bench/results/compare_cpu.json); on GPUs the 2014 default
+    args.avg = args.avg or ("theano" if gpus else "pycuda")
     if not gpus:
         return notices
     why = (("both workers share one GPU" if world == 2 else "workers share a GPU") if shared

@@ -112,14 +112,22 @@ class Peer:
 
 
 class Layout:
-    """Where each parameter lives in the flat exchange buffer."""
+    """Where each parameter lives in the flat exchange buffer: one after
+    another, each starting at a multiple of ``align`` elements (``aligned``:
+    64 bytes, where JAX on a CPU reads an array in place)."""
 
-    def __init__(self, shapes, dtype):
+    def __init__(self, shapes, dtype, align=1):
         self.shapes, self.dtype = [tuple(s) for s in shapes], np.dtype(dtype)
         self.sizes = [int(np.prod(s)) for s in self.shapes]
-        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
+        self.offsets = [0]
+        for n in self.sizes:
+            self.offsets.append(-(-(self.offsets[-1] + n) // align) * align)
         self.size = self.offsets[-1]
         self.nbytes = self.size * self.dtype.itemsize
+
+    def aligned(self):
+        """The same parameters, each at a 64-byte boundary."""
+        return Layout(self.shapes, self.dtype, align=64 // self.dtype.itemsize)
 
     @classmethod
     def of(cls, params):
@@ -130,10 +138,17 @@ class Layout:
         """The parameters as reshaped slices of a flat buffer."""
         return [flat[a:a + n].reshape(s) for a, n, s in zip(self.offsets, self.sizes, self.shapes)]
 
-    def slots(self, flat, n_workers):
-        """Each worker's parameters (``views``), in a buffer that holds every
-        worker's flat weights in rank order (a receive buffer)."""
-        return [self.views(flat[w * self.size:(w + 1) * self.size]) for w in range(n_workers)]
+    def slots(self, buffers):
+        """Each worker's parameters (``views``), in rank order, from flat
+        buffers that hold them one after another (a receive buffer holds every
+        worker's, a CPU worker's send buffer its own), NumPy or symbolic."""
+        return [self.views(flat[w * self.size:(w + 1) * self.size]) for flat in buffers
+                for w in range(length(flat) // self.size)]
+
+
+def length(flat):
+    """A flat buffer's number of elements: an array's, or a shared variable's value's."""
+    return flat.get_value(borrow=True).size if hasattr(flat, "get_value") else flat.size
 
 
 class XlaExchange:

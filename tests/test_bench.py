@@ -13,16 +13,34 @@ def bench_module(name):
     return importlib.import_module(f"bench.{name}")
 
 
-def test_compare_cpu_subset_measures_both_systems_and_writes_its_files(tmp_path):
-    out = script("bench.compare", "--cpu", "--out", tmp_path, timeout=600)
+def test_compare_cpu_puts_the_demo_beside_the_references_and_the_floor(tmp_path):
+    """At one batch (the benchmark's run, cut to its smallest): every system
+    a CPU user would pick, each measured or saying why not (PyTorch is not
+    among the test requirements), the floor, and the demo's exchange set
+    against it, in the table too."""
+    out = script("bench.compare", "--cpu", "--batches", 100, "--steps", 12, "--out", tmp_path,
+                 timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / "compare_cpu.json").read_text())
     assert result["complete"] is True and result["command"].startswith("python -m bench.compare")
+    assert result["cores"] and len(result["load"]) == 3
     systems = {f["system"]: f for f in result["figures"]}
-    assert set(systems) == {"one CPU process (mlp.py)", "demo cpu cpu"}
-    for f in systems.values():
-        assert f["samples_per_s"] > 0 and f["steps"] >= 12 and f["batch"] == 500
+    demos = {"one process (mlp.py), twice the batch", "demo cpu cpu",
+             "demo cpu cpu --average-every 4", "demo cpu cpu --exchange xla"}
+    assert demos <= set(systems)
+    for name in demos:
+        f = systems[name]
+        assert f["samples_per_s"] > 0 and f["steps"] >= 12 and f["batch"] == 100
         assert 0 < f["validation_error"] < 0.9  # it trained: chance is 0.9
+    refs = ("PyTorch, one process on every core, twice the batch",
+            "PyTorch DDP over gloo, two processes", "JAX jit over two CPU devices, one process")
+    for name in refs:  # measured, or said why not
+        assert name in systems or f"{name} @ 100" in result.get("not_run", {}), name
+    floor, demo = result["floor"], systems["demo cpu cpu"]
+    assert floor["us"] == floor["copy_us"] + floor["average_us"] > 0
+    assert 0 < demo["exchange_us"] < demo["step_us"] and demo["train_us"] > 0
+    assert f"the floor and {demo['exchange_us'] / demo['train_us']:.2f}x its train phase" \
+        in out.stdout
     assert (tmp_path / "compare_cpu.png").stat().st_size > 10000
     assert "| demo cpu cpu | 2 |" in out.stdout
 
@@ -159,7 +177,7 @@ def test_an_optional_reference_that_fails_is_reported_not_fatal(capsys):
 
 
 def test_scaling_cpu_measures_one_to_three_workers_with_identical_replicas(tmp_path):
-    out = script("bench.scaling", "--cpu", "--out", tmp_path, timeout=600)
+    out = script("bench.scaling", "--cpu", "--workers", 1, 2, 3, "--out", tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / "scaling_cpu.json").read_text())
     assert result["workers"] == [1, 2, 3]

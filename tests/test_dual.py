@@ -128,3 +128,18 @@ def test_cpu_workers_compile_with_jax_and_keep_it_numba_one_flag_away(tmp_path):
     assert runs["default"]["validation_errors"] == runs["fast_run"]["validation_errors"]
     assert runs["default"]["validation_errors"] == pytest.approx(runs["numba"]["validation_errors"],
                                                                  abs=0.003)
+
+
+@pytest.mark.parametrize("avg", ["pycuda", "theano"])
+def test_a_cpu_runs_phases_add_up_to_its_step(tmp_path, avg):
+    """The host-ordered loop's phases, each timed around its own call, are
+    the step: what is left between them (the minibatch's index, the loop) is
+    a small part of it."""
+    out = dual("cpu", "cpu", "--avg", avg, "--epochs", 4, "--json", tmp_path / "run.json")
+    assert out.returncode == 0, out.stderr
+    us = json.loads((tmp_path / "run.json").read_text())["step_us"]
+    phases = sum(us[k] for k in ("train", "publish", "signal", "waiting", "copy", "average"))
+    assert 0.9 * us["step"] <= phases <= us["step"], us
+    assert us["exchange"] == pytest.approx(us["publish"] + us["signal"] + us["waiting"] +
+                                           us["copy"])
+
