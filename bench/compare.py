@@ -41,6 +41,7 @@ JSON`` does only that, from a results file).
 import json
 import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -130,8 +131,11 @@ def run(cmd, env=None, optional=False):
                          env=dict(os.environ, **(env or {})))
     out.wall_s = time.perf_counter() - started  # start-up and compile included
     if out.returncode != 0:
-        if optional:
-            raise Failed((out.stderr.strip().splitlines() or ["no error output"])[-1])
+        if optional:  # the line that says why: a fatal log line, an exception, else the last
+            lines = out.stderr.strip().splitlines() or ["no error output"]
+            said = [line for line in lines if re.match(r"(F\d{4} |\w*(Error|Exception)\b)",
+                                                       line.strip())]
+            raise Failed((said or lines)[-1].strip()[:300])
         sys.exit(f"{SCRIPT}: error: {shlex.join(cmd)} failed (exit {out.returncode}):\n"
                  f"{out.stderr[-3000:]}")
     return out
