@@ -256,6 +256,8 @@ def jax_trainer(x, y, batch, hyper, steps_per_call=1):
 
     def step(k):
         state["params"], state["t"] = steps(state["params"], state["t"], data_x, data_y, k)
+        if CPU:  # queued calls of two CPU devices deadlock in XLA's rendezvous on two cores
+            jax.block_until_ready(state["params"])
 
     def error(xs, ys):
         return float(errors(state["params"], jax.device_put(xs, replicated),
