@@ -51,6 +51,8 @@ def commands():
         for block in re.findall(r"^```\n(.*?)^```", text, re.S | re.M):
             for line in block.splitlines():
                 for part in line.split(" #")[0].split("&&"):
+                    if not re.match(r"\s*(\w+=\S*\s+)*python\s", part):
+                        continue  # not a command: the output a block shows
                     words = shlex.split(part)
                     while words and re.fullmatch(r"\w+=\S*", words[0]):
                         words.pop(0)
