@@ -98,7 +98,7 @@ import zmq
 
 import mlp
 from logistic_sgd import load_data
-from multi_gpu import cli, datasets, devices, files, launcher, records, report
+from multi_gpu import cli, datasets, devices, files, launcher, records, report, trace
 from multi_gpu.devices import place, storage
 from multi_gpu.links import Layout, Peer, PeerError, XlaExchange
 from multi_gpu.trainer import (DeviceOrdered, StepClock, Trainer, averages_after, local_sgd,
@@ -289,21 +289,23 @@ def barrier(peer):
     from each, on the PAIR socket between the two, so that nobody goes on
     before the last has arrived.  A message holds the barrier's number (all
     must be at the same one) and when its sender arrived, on the machine's
-    monotonic clock: returns the seconds this worker waited for the last to
-    arrive.  (``peer.ready`` waits, in slices, with the run's --timeout.)"""
+    monotonic clock: returns (the seconds this worker waited for the last to
+    arrive, the last one's rank).  (``peer.ready`` waits, in slices, with the
+    run's --timeout.)"""
     peer.barriers += 1
     arrived, what = time.perf_counter(), f"barrier {peer.barriers}"
     for other, socket in peer.sockets.items():
         peer.ready(other, zmq.POLLOUT, what)
         socket.send(struct.pack("<qd", peer.barriers, arrived), zmq.NOBLOCK)
-    last = arrived
+    last, latest = arrived, peer.rank
     for other, socket in peer.sockets.items():
         peer.ready(other, zmq.POLLIN, what)
         count, their_arrival = struct.unpack("<qd", socket.recv(zmq.NOBLOCK))
         if count != peer.barriers:
             raise PeerError(f"workers out of step: at {what}, worker {other} is at {count}")
-        last = max(last, their_arrival)
-    return last - arrived
+        if their_arrival > last:
+            last, latest = their_arrival, other
+    return last - arrived, latest
 
 
 class HostOrdered(Trainer):
@@ -321,11 +323,12 @@ class HostOrdered(Trainer):
         model.warm_up(self.mean, put=device.put)
         self.route = f"{self.transport.route}, ordered by the host, --avg {avg}"
         # the six phases, each timed; the fault tests' hook only where DUAL_MLP_FAULT asks
-        clock = self.clock
+        clock, nbytes = self.clock, self.transport.layout.nbytes
         self.train = clock.timed("train", hooked(rank, "train", self.train_on, stops=True))
-        self.publish = clock.timed("publish", self.transport.publish)
+        self.publish = clock.timed("publish", self.transport.publish, bytes=nbytes)
         self.signal = clock.timed("signal", functools.partial(barrier, peer), waits=True)
-        self.copy = clock.timed("copy", hooked(rank, "exchange", self.transport.fetch))
+        self.copy = clock.timed("copy", hooked(rank, "exchange", self.transport.fetch),
+                                bytes=nbytes)
         self.average = clock.timed("average", self.average_all)
 
     def handshake(self):
@@ -348,6 +351,7 @@ class HostOrdered(Trainer):
 
     def train_on(self, index):
         """1. One SGD step on minibatch ``index``: the tutorial's ``train_model``."""
+        self.count_step()
         self.model.train_model(index)
         return self.written()
 
@@ -399,6 +403,10 @@ class HostOrdered(Trainer):
 
     def step_us(self, steps):
         return self.clock.step_us(steps)
+
+    def trace(self, tracer):
+        super().trace(tracer)
+        self.clock.tracer = tracer
 
     def report(self):
         return dict(super().report(), exchange_s=self.clock.exchange_s())
@@ -579,6 +587,10 @@ def worker(args, rank, world, dev, rundir, watchdog):
                                    cleanup)
             cleanup.callback(trainer.close)
             trainer.start()
+            tracer = args.trace and trace.Tracer(rank, (args.trace_from - 1 - progress.epoch) *
+                                                 trainer.n_steps, args.trace_steps)
+            if tracer:
+                trainer.trace(tracer)
         if args.resume:
             say(f"... resumed from {args.resume} at epoch {progress.epoch}")
 
@@ -611,6 +623,8 @@ def worker(args, rank, world, dev, rundir, watchdog):
             report.summarise(args, progress, trainer, n_steps, world,
                              time.perf_counter() - start_time, device, say)
             progress.check_saved(args.save)
+        if tracer:
+            report.timeline(args, tracer, rundir, trainer.route, device.name, say)
 
 
 # -----------------------------------------------------------------------------
@@ -632,7 +646,8 @@ def main(argv=None):
             shapes = mlp.parameter_shapes(datasets.N_PIXELS, args.n_hidden, datasets.N_CLASSES)
             notices = launcher.check_request(args, shapes, BATCH_SIZE, SHIPPED_BATCH_SIZE,
                                              STEPS_PER_CALL)
-            run.enter_context(records.hold(args.save, args.json,
+            run.enter_context(records.hold(args.save, args.json, args.trace,
+                                           launcher.trace_picture(args.trace),
                                            room=records.checkpoint_bytes(shapes)))
             rundir, folder_notice = launcher.run_folder(args, shapes)
             if args.exchange == "xla" and not args.jax_coordinator:  # one machine
@@ -715,6 +730,15 @@ def parse_args(argv=None):
                    help="average the replicas every H steps (local SGD): each worker takes H "
                         "SGD steps on its own minibatches, then all average; an epoch always "
                         "ends on an average (default: 1, the 2014 demo: after every step)")
+    p.add_argument("--trace", metavar="PATH.json", type=cli.writable,
+                   help="record every worker's phases, step by step, for a window of steps, "
+                        "as a Chrome trace (open it in ui.perfetto.dev or chrome://tracing), "
+                        "and draw PATH.png beside it (with matplotlib)")
+    p.add_argument("--trace-from", type=cli.positive_int, metavar="EPOCH",
+                   help="--trace: the epoch whose first step the window starts at (default: "
+                        "2, after compiling and warming up; 1 for a run of one epoch)")
+    p.add_argument("--trace-steps", type=cli.positive_int, metavar="N",
+                   help="--trace: steps in the window (default: 50)")
     p.add_argument("--check", action="store_true", help="after every average, measure how "
                    "far the replicas differ (max_replica_diff; slow: the host waits)")
     p.add_argument("--seed", type=cli.seed, default=SEED,

@@ -212,14 +212,14 @@ def main():
             written = figure("plain step, written out", batch, k, written, plain)
             ordered = [figure(LOCAL if t.average_every > 1 else ORDERED, batch, k, timed, plain,
                               exchange_steps=t.exchange.steps_done(), averages_run=t.averages,
-                              steps_run=t.steps, exchange_callbacks=t.exchange.callbacks)
+                              steps_run=t.steps_run, exchange_callbacks=t.exchange.callbacks)
                        for t, timed in zip(ordered_trainers, ordered)]
             for t in ordered_trainers:
                 t.exchange.close()
             xla_trainer.finish()
             xla_trainer.to_model()  # its state began as the model's own buffers, donated since
             by_xla = figure(XLA, batch, k, by_xla, plain, exchange_steps=xla_trainer.exchange_steps,
-                            averages_run=xla_trainer.steps, steps_run=xla_trainer.steps)
+                            averages_run=xla_trainer.steps_run, steps_run=xla_trainer.steps_run)
             for f in (*ordered, by_xla):
                 if f["exchange_steps"] != f["averages_run"]:
                     sys.exit(f"step_cost.py: error: {f['system']} counted {f['exchange_steps']} "

@@ -253,11 +253,40 @@ def check_resume(args, shapes):
 
 def check_outputs(args):
     """No output overwrites an input or another output of this run."""
+    if args.trace and trace_picture(args.trace) == args.trace:
+        raise UsageError(f"--trace {args.trace}: a .png is the picture beside the trace; name "
+                         "the trace PATH.json")
     why = cli.clash({"--dataset": datasets.files_of(args.dataset), "--resume": [args.resume]},
-                    {"--save": [args.save], "--json": [args.json]},
+                    {"--save": [args.save], "--json": [args.json], "--trace": [args.trace],
+                     "--trace's picture": [trace_picture(args.trace)]},
                     allowed={("--save", "--resume")})
     if why:
         raise UsageError(why)
+
+
+def trace_picture(path):
+    """Where --trace's picture goes: beside the trace, PATH.png for PATH.json."""
+    return os.path.splitext(path)[0] + ".png" if path else None
+
+
+def check_trace(args, n_steps):
+    """The window of --trace: --trace-from an epoch this run trains (default
+    the second, the first of a one-epoch run), --trace-steps within the run;
+    returns the notices."""
+    if not args.trace:
+        if args.trace_from or args.trace_steps:
+            raise UsageError("--trace-from and --trace-steps choose what --trace PATH records")
+        return []
+    epoch = args.trace_from or min(2, args.epochs)
+    if not args.resume_epoch < epoch <= args.epochs:
+        raise UsageError(f"--trace-from {epoch}: the run trains epochs {args.resume_epoch + 1} "
+                         f"to {args.epochs}")
+    args.trace_from, args.trace_steps = epoch, args.trace_steps or 50
+    left = (args.epochs - epoch + 1) * n_steps
+    if args.trace_steps > left:
+        return [f"notice: --trace-steps {args.trace_steps}: the run has {left} steps from "
+                f"epoch {epoch} on; it traces those"]
+    return []
 
 
 def check_port(address):
@@ -569,6 +598,7 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
     args.resume_epoch = 0
     if args.resume:
         notices.append(check_resume(args, shapes))
+    notices += check_trace(args, steps_per_epoch(n_train // args.batch_size, world))
     args.local_workers = len(args.devices)
     args.run_options = {k: args.trained_with[k] if k in TRAINED_WITH else getattr(args, k)
                         for k in RUN_OPTIONS}

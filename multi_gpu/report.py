@@ -1,6 +1,7 @@
 """Worker 0's words: the compile heartbeat's text, a run that diverged, the
 closing lines and the ``--json`` summary of ``dual_mlp.py``."""
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import os
 import platform
 
 import numpy as np
@@ -89,3 +90,26 @@ def summarise(args, progress, trainer, n_steps, world, wall, device, say):
         summary["max_replica_diff"] = trainer.max_diff
     summary.update(averaged)
     records.write_json_or_show(args.json, summary, "worker 0")
+
+
+def timeline(args, tracer, rundir, route, device_name, say):
+    """--trace: this worker's spans into the run folder; the first worker of
+    each machine merges its machine's into the trace and draws its picture."""
+    tracer.write(rundir)
+    n_local = len(args.devices)
+    if tracer.rank % n_local:
+        return
+    from multi_gpu import trace
+    first = args.node_rank * n_local
+    spans = trace.gather(rundir, range(first, first + n_local), args.timeout)
+    title = (f"python dual_mlp.py {' '.join(args.devices)}: {route}, batch {args.batch_size} "
+             "per worker")
+    document = trace.chrome_trace(spans, {first + i: d for i, d in enumerate(args.devices)},
+                                  dict(title=title, command=args.command, window=dict(
+                                      epoch=args.trace_from, steps=args.trace_steps),
+                                       clock="CLOCK_MONOTONIC, ns, one clock for the machine"))
+    records.write_json_or_show(args.trace, document, f"worker {tracer.rank}")
+    picture = trace.plot(document, os.path.splitext(args.trace)[0] + ".png")
+    say(f"... the timeline of steps from epoch {args.trace_from} is in {args.trace}"
+        + (f" and {picture}" if picture else "") + " (open the JSON in ui.perfetto.dev)")
+

@@ -77,6 +77,8 @@ class Trainer:
     ``finish()`` waits until the last step is done everywhere."""
 
     route = ""  # how the weights travel, in words
+    tracer = None  # --trace: the timeline's recorder (multi_gpu.trace.Tracer)
+    steps_run = 0  # the steps taken so far, this run
 
     def __init__(self, rank, world, model, link, check, average_every=1):
         """``link`` reaches the other workers, for the handshake and for
@@ -95,6 +97,16 @@ class Trainer:
 
     def handshake(self):
         """Swap what the exchange needs to know of the others, once."""
+
+    def trace(self, tracer):
+        """Record the phases of the steps ``tracer`` asks for (``--trace``)."""
+        self.tracer = tracer
+
+    def count_step(self, steps=1):
+        """``steps`` more steps begin now (the tracer learns which)."""
+        if self.tracer:
+            self.tracer.at(self.steps_run)
+        self.steps_run += steps
 
     def check_replicas(self):
         """``--check``: the largest difference between this replica's weights
@@ -125,20 +137,28 @@ class Trainer:
 class StepClock:
     """Sums each phase's time under its name.  A signal's time is split in
     two: the signal itself, and waiting for a peer that arrived later (which
-    a faster worker does whatever the exchange costs)."""
+    a faster worker does whatever the exchange costs).  With a ``tracer``
+    (``--trace``), each phase is also a span of the timeline."""
 
-    def __init__(self):
-        self.totals = collections.defaultdict(float)
+    def __init__(self, tracer=None):
+        self.totals, self.tracer = collections.defaultdict(float), tracer
 
-    def timed(self, name, phase, waits=False):
+    def timed(self, name, phase, waits=False, **about):
         """``phase``, its every call timed under ``name``; with ``waits``, it
-        returns the seconds of its time spent waiting for a later peer."""
+        returns (the seconds of its time spent waiting for a later peer, that
+        peer's rank).  ``about`` goes into the phase's trace spans (bytes moved)."""
         def timed_phase(*args):
-            start = time.perf_counter()
+            start = time.perf_counter_ns()
             result = phase(*args)
-            waited = result if waits else 0.0
-            self.totals[name] += time.perf_counter() - start - waited
+            end = time.perf_counter_ns()
+            waited, last = result if waits else (0.0, None)
+            self.totals[name] += (end - start) / 1e9 - waited
             self.totals["waiting"] += waited
+            if self.tracer and self.tracer.on:
+                if waited:
+                    self.tracer.span(f"waiting for worker {last}", start,
+                                     start + int(waited * 1e9))
+                self.tracer.span(name, start + int(waited * 1e9), end, **about)
             return result
         return timed_phase
 
@@ -168,8 +188,9 @@ class DeviceOrdered(Trainer):
                  average_every=1):
         super().__init__(rank, world, model, link, check, average_every)
         self.queued, self.watchdog = collections.deque(), watchdog or Unwatched()
+        self.in_flight, self.device_free = collections.deque(), 0  # --trace: calls not yet seen
         self.steps_per_call, self.programs, self.exchange_steps = steps_per_call, {}, None
-        self.host_time, self.calls, self.steps = 0.0, 0, 0  # the host's share: inside the calls
+        self.host_time, self.calls = 0.0, 0  # the host's share: inside the calls
 
     def compile(self):
         """The programs an epoch calls: ``steps_per_call`` steps, and what is
@@ -195,10 +216,12 @@ class DeviceOrdered(Trainer):
                 steps = min(self.steps_per_call, n_steps - first)
                 stop_point(self.rank, "train")
                 self.averages += averages_in(steps, self.average_every)  # each call ends on one
-                called = time.perf_counter()
+                self.count_step(steps)
+                called = time.perf_counter_ns()
                 self.queued.append(self.queue(steps))
-                self.host_time += time.perf_counter() - called
-                self.calls, self.steps = self.calls + 1, self.steps + steps
+                self.host_time += (time.perf_counter_ns() - called) / 1e9
+                self.traced_call(called, steps)
+                self.calls += 1
                 fault_point(self.rank, "exchange")
                 if len(self.queued) > AHEAD:
                     self.wait(self.queued.popleft())
@@ -210,10 +233,39 @@ class DeviceOrdered(Trainer):
 
     def wait(self, marker):
         """Wait for the device to finish a step, and for a stop request meanwhile."""
+        started = time.perf_counter_ns()
         while not self.done(marker):
             if stopping.is_set():
                 raise Interrupted
+            self.see_the_device()
             time.sleep(0.0002)
+        if self.tracer:
+            self.see_the_device()
+            self.tracer.span("waiting for the device", started, time.perf_counter_ns(),
+                             call=self.calls - len(self.queued))
+
+    def traced_call(self, called, steps):
+        """--trace: the call just queued, on the host's track; the device's
+        track learns when each call is done, as the host sees it."""
+        if not self.tracer:
+            return
+        self.tracer.span("queue", called, time.perf_counter_ns(), steps=steps,
+                         first=self.steps_run - steps, call=self.calls)
+        self.in_flight.append((self.queued[-1], self.tracer.step, steps, called))
+        self.see_the_device()
+
+    def see_the_device(self):
+        """The calls the device has finished since the host last looked: each a
+        span on the device's track, from when the one before it ended (or it
+        was queued) to now (the host looks between its calls and while it waits)."""
+        while self.tracer and self.in_flight and self.done(self.in_flight[0][0]):
+            _, step, steps, queued = self.in_flight.popleft()
+            now = time.perf_counter_ns()
+            start = max(queued, self.device_free)
+            self.device_free = now
+            tracer_step, self.tracer.step = self.tracer.step, step
+            self.tracer.span("steps", start, now, track="device", first=step, steps=steps)
+            self.tracer.step = tracer_step
 
     def weights(self):
         return [np.array(w) for w in self.device_weights()]
@@ -229,7 +281,7 @@ class DeviceOrdered(Trainer):
         ``--sync gpu`` the kernel's own count, which equals the averages run
         where it ran once an average)."""
         return dict(super().report(), host_us_per_call=1e6 * self.host_time / max(1, self.calls),
-                    host_us_per_step=1e6 * self.host_time / max(1, self.steps),
+                    host_us_per_step=1e6 * self.host_time / max(1, self.steps_run),
                     steps_per_call=self.steps_per_call, exchange_steps=self.exchange_steps)
 
 

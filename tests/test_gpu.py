@@ -287,3 +287,28 @@ def test_gpu_ordered_run_killed_or_stalled_or_interrupted_stops(tmp_path, no_lef
     code, took, err = finish(proc, timeout=10)
     assert code == 130 and f"last checkpoint kept in {ckpt}" in err and "Traceback" not in err
     assert records.load_checkpoint(str(ckpt), SHAPES, records.TRAINING_STATE)[2]["epoch"] >= 1
+
+
+@pytest.mark.parametrize("sync", ["host", "gpu"])
+def test_a_gpu_run_traces_its_phases(tmp_path, sync):
+    """--trace on a GPU (time-sliced on one where there is one): host-ordered,
+    every phase of every traced step in order; GPU-ordered, the host's track
+    queues calls ahead of the device's, which says when each was done."""
+    from test_trace import HOST_PHASES, spans
+    devices = ["0", "0"] if sync == "gpu" else PAIR
+    extra = ["--sync", "gpu"] if sync == "gpu" else ["--sync", "host"]
+    out = dual(*devices, *extra, "--epochs", 2, "--batch-size", 100, "--trace",
+               tmp_path / "t.json", "--trace-steps", 20)
+    assert out.returncode == 0, out.stderr
+    document = json.loads((tmp_path / "t.json").read_text())
+    assert (tmp_path / "t.png").stat().st_size > 10000
+    for worker, events in spans(document).items():
+        if sync == "host":
+            for step in {e["args"]["step"] for e in events}:
+                assert [e["name"] for e in events if e["args"]["step"] == step and not
+                        e["name"].startswith("waiting for worker")] == HOST_PHASES
+        else:
+            queued = [e for e in events if e["name"] == "queue"]
+            done = [e for e in events if e["name"] == "steps"]
+            assert queued and len(done) == len(queued)
+            assert any(q["ts"] < d["ts"] + d["dur"] for q, d in zip(queued[1:], done)), worker

@@ -1,0 +1,151 @@
+"""``--trace PATH.json``: every worker's phases, step by step, as a picture.
+
+Each worker keeps a ``Tracer``: for a bounded window of steps (by default 50
+steps from the start of the second epoch, so that compiling and warming up
+stay out), the start and end of every phase on the machine's monotonic
+clock (CLOCK_MONOTONIC, one clock for every process of a machine), on
+one or two tracks: the host's, and, where the device orders the step, the
+device's.  Outside the window a phase pays one comparison; without
+``--trace``, nothing (the trainers do not ask for a tracer at all).
+
+At the end each worker leaves its spans in the run folder
+(``trace-RANK.json``), and the first worker of each machine merges its
+machine's into PATH in the Chrome trace-event format (Perfetto,
+ui.perfetto.dev, and chrome://tracing open it: one process per worker, a
+thread per track, each phase a complete event, ``"ph": "X"``), and draws
+PATH.png beside it where matplotlib is installed: one lane per worker and
+track, a few steps wide, the time in microseconds.
+"""
+from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import json
+import os
+import time
+
+from multi_gpu import files
+
+HOST, DEVICE = "host", "device"  # the tracks
+
+
+class Tracer:
+    """One worker's spans for the steps ``first`` .. ``first + count - 1``
+    (counted over the whole run, from 0)."""
+
+    def __init__(self, rank, first, count):
+        self.rank, self.first, self.count = rank, first, count
+        self.step, self.spans = -1, []
+
+    def at(self, step):
+        """The step the worker is at now (global, from 0)."""
+        self.step = step
+
+    @property
+    def on(self):
+        return self.first <= self.step < self.first + self.count
+
+    def span(self, name, start_ns, end_ns, track=HOST, **args):
+        """A phase that ran from ``start_ns`` to ``end_ns`` (monotonic, ns)."""
+        if self.on:
+            self.spans.append(dict(name=name, track=track, start=start_ns, end=end_ns,
+                                   step=self.step, **args))
+
+    def write(self, rundir):
+        """This worker's spans, into the run folder (whole, or not at all)."""
+        path = os.path.join(rundir, f"trace-{self.rank}.json")
+        with files.new_file(path + ".part", text=True) as f:
+            json.dump(self.spans, f)
+        os.replace(path + ".part", path)
+
+
+def now():
+    """The machine's monotonic clock, in ns (CLOCK_MONOTONIC: the one the
+    barriers stamp their arrivals with, ``time.perf_counter``, reads too)."""
+    return time.perf_counter_ns()
+
+
+def gather(rundir, ranks, timeout):
+    """Every worker's spans (``Tracer.write``), waiting for them up to ``timeout`` s."""
+    deadline, found = time.monotonic() + timeout, {}
+    while len(found) < len(ranks) and time.monotonic() < deadline:
+        for rank in ranks:
+            path = os.path.join(rundir, f"trace-{rank}.json")
+            if rank not in found and os.path.exists(path):
+                with files.open_file(path, text=True) as f:
+                    found[rank] = json.load(f)
+        time.sleep(0.01)
+    missing = sorted(set(ranks) - set(found))
+    if missing:
+        raise TimeoutError(f"no trace from worker {missing[0]} within {timeout:g} s")
+    return found
+
+
+def chrome_trace(spans_of, devices, about):
+    """The Chrome trace-event document of every worker's spans: a process per
+    worker, a thread per track, times in microseconds from the window's start."""
+    start = min((s["start"] for spans in spans_of.values() for s in spans), default=0)
+    events = []
+    for rank, spans in sorted(spans_of.items()):
+        events.append(dict(ph="M", name="process_name", pid=rank,
+                           args=dict(name=f"worker {rank} ({devices[rank]})")))
+        events.append(dict(ph="M", name="process_sort_index", pid=rank, args=dict(sort_index=rank)))
+        for tid, track in enumerate((HOST, DEVICE)):
+            if any(s["track"] == track for s in spans):
+                events.append(dict(ph="M", name="thread_name", pid=rank, tid=tid,
+                                   args=dict(name=track)))
+        for s in spans:
+            args = {k: v for k, v in s.items() if k not in ("name", "track", "start", "end")}
+            events.append(dict(ph="X", name=s["name"], pid=rank,
+                               tid=(HOST, DEVICE).index(s["track"]),
+                               ts=(s["start"] - start) / 1e3, dur=(s["end"] - s["start"]) / 1e3,
+                               args=args))
+    return dict(traceEvents=events, displayTimeUnit="ns", otherData=about)
+
+
+# one colour per phase, the same in every picture
+COLOURS = {"train": "#4c72b0", "publish": "#dd8452", "signal": "#55a868", "copy": "#c44e52",
+           "average": "#8172b3", "waiting": "#bbbbbb", "queue": "#937860",
+           "waiting for the device": "#e5e5e5", "steps": "#4c72b0"}
+
+
+def colour(name):
+    return COLOURS["waiting"] if name.startswith("waiting for worker") else \
+        COLOURS.get(name, "#8c8c8c")
+
+
+def plot(document, path, steps=4):
+    """PATH.png: a lane per worker and track over the window's first
+    ``steps`` steps, each phase in its colour, time in microseconds; None
+    where matplotlib is not installed (said in one line)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("no trace picture: matplotlib is not installed (pip install matplotlib); the "
+              "trace itself is written")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    events = [e for e in document["traceEvents"] if e["ph"] == "X"]
+    names = {e["pid"]: e["args"]["name"] for e in document["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    first = min(e["args"]["step"] for e in events)
+    shown = [e for e in events if e["args"]["step"] < first + steps]
+    lanes = sorted({(e["pid"], e["tid"]) for e in shown})
+    fig, ax = plt.subplots(figsize=(12, 0.7 * len(lanes) + 1.6))
+    seen = {}
+    for y, (pid, tid) in enumerate(reversed(lanes)):
+        for e in (e for e in shown if (e["pid"], e["tid"]) == (pid, tid)):
+            bar = ax.broken_barh([(e["ts"], max(e["dur"], 0.5))], (y - 0.35, 0.7),
+                                 color=colour(e["name"]), edgecolor="white", linewidth=0.3)
+            key = "waiting for a later worker" if e["name"].startswith("waiting for worker") \
+                else e["name"]
+            seen.setdefault(key, bar)
+    ax.set_yticks(range(len(lanes)))
+    ax.set_yticklabels([f"{names[pid]}, {(HOST, DEVICE)[tid]}" for pid, tid in reversed(lanes)])
+    ax.set_xlabel("microseconds")
+    ax.set_title(f"{document['otherData']['title']}: steps {first}-{first + steps - 1}")
+    ax.legend(seen.values(), seen.keys(), loc="upper center", bbox_to_anchor=(0.5, -0.25),
+              ncol=min(5, len(seen)), fontsize=8, frameon=False)
+    fig.tight_layout()
+    with files.atomic_write(path) as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,143 @@
+"""--trace: the timeline a run writes of its own phases, on the CPU (the GPU
+orderings' run on the device: tests/test_gpu.py)."""
+import collections
+import json
+
+import pytest
+
+from conftest import dual
+
+HOST_PHASES = ["train", "publish", "signal", "copy", "signal", "average"]
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """One run of three CPU workers, traced for 12 steps of its second epoch
+    (the workers' summary beside it), serving the tests below."""
+    folder = tmp_path_factory.mktemp("traced")
+    out = dual("cpu", "cpu", "cpu", "--epochs", 3, "--trace", folder / "run.json",
+               "--trace-steps", 8, "--json", folder / "summary.json")
+    assert out.returncode == 0, out.stderr
+    return folder, json.loads((folder / "run.json").read_text()), out
+
+
+def spans(document):
+    """{worker: [its complete events, in time order]}"""
+    by = collections.defaultdict(list)
+    for e in document["traceEvents"]:
+        if e["ph"] == "X":
+            by[e["pid"]].append(e)
+    return {w: sorted(es, key=lambda e: e["ts"]) for w, es in by.items()}
+
+
+def test_the_trace_is_trace_event_json_with_a_process_per_worker(traced):
+    folder, document, out = traced
+    assert {e["ph"] for e in document["traceEvents"]} == {"M", "X"}
+    names = {e["pid"]: e["args"]["name"] for e in document["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {0: "worker 0 (cpu)", 1: "worker 1 (cpu)", 2: "worker 2 (cpu)"}
+    for e in document["traceEvents"]:
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and e["ts"] >= 0 and isinstance(e["args"]["step"], int)
+    assert (folder / "run.png").stat().st_size > 10000
+    assert f"the timeline of steps from epoch 2 is in {folder / 'run.json'}" in out.stdout
+
+
+def test_every_worker_has_every_phase_of_every_traced_step_in_order(traced):
+    _, document, _ = traced
+    steps_per_epoch = json.loads((traced[0] / "summary.json").read_text())["steps_per_epoch"]
+    first = steps_per_epoch  # the second epoch's first step, counted from 0
+    for worker, events in spans(document).items():
+        assert {e["args"]["step"] for e in events} == set(range(first, first + 8)), worker
+        for step in range(first, first + 8):
+            phases = [e["name"] for e in events if e["args"]["step"] == step
+                      and not e["name"].startswith("waiting for worker")]
+            assert phases == HOST_PHASES, (worker, step, phases)
+        for a, b in zip(events, events[1:]):  # one track: no span overlaps the next
+            assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, (worker, a, b)
+        moved = [e["args"]["bytes"] for e in events if e["name"] in ("publish", "copy")]
+        assert moved and all(n == moved[0] > 1_000_000 for n in moved)
+
+
+def test_no_worker_leaves_a_barrier_before_the_last_one_arrived(traced):
+    """On the machine's one clock: at each signal of each step, every
+    worker's leaving comes after every worker's arriving (its wait for a
+    later worker, where it waited, is where it arrived)."""
+    by_worker = spans(traced[1])
+    barriers = collections.defaultdict(list)  # (step, which signal) -> [(arrived, left)]
+    for worker, events in by_worker.items():
+        count = collections.Counter()
+        for i, e in enumerate(events):
+            if e["name"] == "signal":
+                before = events[i - 1] if i and events[i - 1]["name"].startswith(
+                    "waiting for worker") else e
+                step = e["args"]["step"]
+                barriers[step, count[step]].append((before["ts"], e["ts"] + e["dur"]))
+                count[step] += 1
+    assert len(barriers) == 16
+    waited = 0
+    for key, visits in barriers.items():
+        assert len(visits) == 3, key
+        assert max(a for a, _ in visits) <= min(left for _, left in visits) + 1e-3, (key, visits)
+        waited += sum(1 for a, left in visits if left - a > 0)
+    assert waited
+
+
+def test_the_waits_name_a_worker_that_arrived_later(traced):
+    for worker, events in spans(traced[1]).items():
+        for e in events:
+            if e["name"].startswith("waiting for worker"):
+                assert int(e["name"].split()[-1]) in {0, 1, 2} - {worker}
+
+
+def test_under_the_xla_exchange_the_host_runs_ahead_of_the_device(tmp_path):
+    out = dual("cpu", "cpu", "--exchange", "xla", "--epochs", 2, "--steps-per-call", 3,
+               "--trace", tmp_path / "xla.json", "--trace-steps", 12)
+    assert out.returncode == 0, out.stderr
+    document = json.loads((tmp_path / "xla.json").read_text())
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in document["traceEvents"]
+               if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert set(threads.values()) == {"host", "device"}
+    for worker, events in spans(document).items():
+        queued = [e for e in events if e["name"] == "queue"]
+        done = [e for e in events if e["name"] == "steps"]
+        assert [e["args"]["steps"] for e in queued] == [3] * 4 == [e["args"]["steps"]
+                                                                   for e in done]
+        # the host queued call c + 1 before the device was done with call c
+        assert any(q["ts"] < d["ts"] + d["dur"] for q, d in zip(queued[1:], done)), worker
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--trace-steps", 5], "--trace-from and --trace-steps choose what --trace PATH records"),
+    (["--trace", "{tmp}/t.json", "--trace-from", 9], "--trace-from 9: the run trains epochs 1 to"),
+    (["--trace", "{tmp}/t.json", "--trace-from", 0], "argument --trace-from: must be a positive"),
+    (["--trace", "{tmp}/t.json", "--trace-steps", "x"], "argument --trace-steps: not a number"),
+    (["--trace", "{tmp}"], "is a folder, not a file"),
+    (["--trace", "{tmp}/t.png"], "a .png is the picture beside the trace"),
+    (["--trace", "{tmp}/t.json", "--json", "{tmp}/t.json"], "--json and --trace name one file"),
+    (["--trace", "{tmp}/t.json", "--json", "{tmp}/t.png"], "name one file"),
+    (["--trace", "{data}"], "is --dataset's file: an output never overwrites an input"),
+])
+def test_a_bad_trace_request_is_one_line_before_anything_starts(tmp_path, args, words,
+                                                                 no_leftovers):
+    from multi_gpu import datasets
+    args = [str(a).format(tmp=tmp_path, data=datasets.SHIPPED) for a in args]
+    out = dual("cpu", "cpu", "--epochs", 2, *args, timeout=60)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and words in lines[0], out.stderr
+    assert "training" not in out.stdout
+
+
+def test_a_trace_is_held_as_a_checkpoint_is(tmp_path):
+    """A second run asking for a live run's --trace (or its picture) is refused."""
+    from conftest import finish, start_dual, wait_until_training
+    live = start_dual("cpu", "cpu", "--epochs", 1000, "--trace", tmp_path / "t.json")
+    try:
+        wait_until_training(live)
+        for output in ("t.json", "t.png"):
+            out = dual("cpu", "cpu", "--epochs", 1, "--json", tmp_path / output, timeout=60)
+            assert out.returncode == 2 and "is being written by another run" in out.stderr, \
+                out.stderr
+    finally:
+        live.send_signal(2)
+        finish(live, timeout=30)
