@@ -113,8 +113,9 @@ def colour(name):
 
 def plot(document, path, steps=4):
     """PATH.png: a lane per worker and track over the window's first
-    ``steps`` steps, each phase in its colour, time in microseconds; None
-    where matplotlib is not installed (said in one line)."""
+    ``steps`` steps (three calls, where a call holds more), each phase in
+    its colour, time in microseconds; None where matplotlib is not
+    installed (said in one line)."""
     try:
         import matplotlib
     except ImportError:
@@ -127,6 +128,7 @@ def plot(document, path, steps=4):
     names = {e["pid"]: e["args"]["name"] for e in document["traceEvents"]
              if e["ph"] == "M" and e["name"] == "process_name"}
     first = min(e["args"]["step"] for e in events)
+    steps = max(steps, 3 * max(e["args"].get("steps", 1) for e in events))
     shown = [e for e in events if e["args"]["step"] < first + steps]
     lanes = sorted({(e["pid"], e["tid"]) for e in shown})
     fig, ax = plt.subplots(figsize=(12, 0.7 * len(lanes) + 1.6))
@@ -149,3 +151,25 @@ def plot(document, path, steps=4):
         fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
     return path
+
+
+def main(argv=None):
+    """``python -m multi_gpu.trace PATH.json``: draw PATH.png again from a trace."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m multi_gpu.trace", allow_abbrev=False,
+                                     description="Draw a --trace file's picture (PATH.png).")
+    parser.add_argument("trace", metavar="PATH.json")
+    path = parser.parse_args(argv).trace
+    try:
+        with open(path) as f:
+            document = json.load(f)
+        picture = plot(document, os.path.splitext(path)[0] + ".png")
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"python -m multi_gpu.trace: error: {path}: not a --trace file ({e})")
+    if picture:
+        print(f"wrote {picture}")
+
+
+if __name__ == "__main__":
+    main()
+

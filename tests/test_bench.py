@@ -176,28 +176,28 @@ def test_an_optional_reference_that_fails_is_reported_not_fatal(capsys):
         compare.table(document)
 
 
-def test_scaling_cpu_measures_one_to_three_workers_with_identical_replicas(tmp_path):
-    out = script("bench.scaling", "--cpu", "--workers", 1, 2, 3, "--out", tmp_path, timeout=600)
+def test_scaling_cpu_measures_each_worker_count_with_identical_replicas(tmp_path):
+    # two counts show the mechanics (three workers' identical replicas: test_xla's tests)
+    out = script("bench.scaling", "--cpu", "--workers", 1, 2, "--out", tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / "scaling_cpu.json").read_text())
-    assert result["workers"] == [1, 2, 3]
-    assert result["max_replica_diff"] == {"2": 0.0, "3": 0.0}
+    assert result["workers"] == [1, 2]
+    assert result["max_replica_diff"] == {"2": 0.0}
     seen = {(f["system"], f["workers"]): f for f in result["figures"]}
-    for n in (1, 2, 3):
+    for n in (1, 2):
         for system in ("the demo (mlp.py on one, --exchange xla on more)",
                        "JAX jit over a mesh of the same devices"):
             f = seen[system, n]
             assert f["samples_per_s"] > 0
             assert f["efficiency"] == (1.0 if n == 1 else
                                        f["samples_per_s"] / (n * seen[system, 1]["samples_per_s"]))
-    assert ("the demo, peer to peer", 2) in seen and ("the demo, peer to peer", 3) in seen
+    assert ("the demo, peer to peer", 2) in seen
     assert (tmp_path / "scaling_cpu.png").stat().st_size > 10000
     # the table: one row per system, a column per worker count, peer to peer from 2 on
-    assert "| system | batch per worker | 1 worker | 2 workers | 3 workers |" in out.stdout
-    two, three = seen["the demo, peer to peer", 2], seen["the demo, peer to peer", 3]
+    assert "| system | batch per worker | 1 worker | 2 workers |" in out.stdout
+    two = seen["the demo, peer to peer", 2]
     assert (f"| the demo, peer to peer | 100 |  | {two['samples_per_s'] / 1e3:.1f} k "
-            f"({two['efficiency']:.2f}) | {three['samples_per_s'] / 1e3:.1f} k "
-            f"({three['efficiency']:.2f}) |") in out.stdout
+            f"({two['efficiency']:.2f}) |") in out.stdout
 
 
 def test_step_profile_cpu_times_both_steps_and_names_their_kernels(tmp_path):

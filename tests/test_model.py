@@ -223,7 +223,7 @@ def test_gpu_ordered_programs_are_compiled_before_the_first_epoch():
     with jax_compiles() as compiled:
         trainer.epoch(30)  # calls of 4, and the 2 left at the end
     assert not [m for m in compiled if "Compiling" in m], compiled
-    assert trainer.exchange.steps_done() == trainer.steps == 30
+    assert trainer.exchange.steps_done() == trainer.steps_run == 30
 
 
 def test_the_exchange_kernel_cuts_the_weights_into_chunks_every_gpu_shares():
