@@ -343,7 +343,7 @@ class HostOrdered(Trainer):
                 continue        # local SGD (--average-every H): H steps of my own, then 2.-6.
             self.publish(new)   # 2. copy my new weights into my send buffer (memcpy_dtod_async)
             self.signal()       # 3. zmq: "published" to every other worker; wait for theirs
-            self.copy()         # 4. every send buffer into my receive buffer, peer to peer
+            self.copy()         # 4. every send buffer, peer to peer (CPUs: my share of the mean)
             self.signal()       # 5. zmq: "copied": the others may overwrite their send buffers
             self.average()      # 6. my weights = the mean of everyone's, in rank order
             self.averages += 1

@@ -71,7 +71,8 @@ def main():
             print(f"  {ordering}: {un:.0f} us a step untraced, {tr:.0f} traced ({tr / un:.3f}x)",
                   flush=True)
     path = record("trace_cost" if gpus else "trace_cost_cpu", args.out, cpu=not gpus,
-                  block="trace_cost.py" if gpus else "trace_cost.py --cpu", devices=args.devices, batch=args.batch,
+                  block="trace_cost.py" if gpus else "trace_cost.py --cpu",
+                  devices=args.devices, batch=args.batch,
                   epochs=args.epochs, rounds=args.rounds, figures=figures)
     print(table(load(path)))
 

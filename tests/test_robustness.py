@@ -419,3 +419,22 @@ def test_a_benchmark_killed_mid_run_leaves_no_temporary_folder(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM
     wait_for(lambda: not leftover_workers(), 15, "the demo's workers to go")
     assert list(private.iterdir()) == []
+
+
+def test_a_tutorial_run_whose_folder_goes_names_its_outputs_and_keeps_its_summary(tmp_path):
+    """mlp.py's --save and --json folder removed while it trains: the summary
+    it could not write is shown on stdout, the line names the file asked for
+    (not a temporary or a lock), exit 1."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "mlp.py"), "--epochs", "6", "--save",
+                             str(folder / "m.npz"), "--json", str(folder / "s.json")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=environment())
+    for line in proc.stdout:
+        if line.startswith("epoch 1,"):
+            shutil.rmtree(folder)
+            break
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert f"could not write {folder / 's.json'}" in err and '"validation_errors"' in out, err

@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from multi_gpu import datasets, files, records
-from conftest import (SECRET, SHAPES, dual, finish, leftover_workers, start_dual, start_node, wait_for,
-                      wait_until_training, workers_of)
+from conftest import (SECRET, SHAPES, dual, finish, leftover_workers, start_dual, start_node,
+                      wait_for, wait_until_training, workers_of)
 from multi_gpu.launcher import free_port
 
 NOBODY = 65534
