@@ -101,7 +101,8 @@ from logistic_sgd import load_data
 from multi_gpu import cli, datasets, devices, files, launcher, records, report, trace
 from multi_gpu.devices import place, storage
 from multi_gpu.links import Layout, Peer, PeerError, XlaExchange
-from multi_gpu.trainer import (DeviceOrdered, StepClock, Trainer, averages_after, local_sgd,
+from multi_gpu.trainer import (AHEAD, DeviceOrdered, StepClock, Trainer, averages_after,
+                               averages_in, local_sgd,
                                mean_in_rank_order, minibatch)
 from multi_gpu.worker import hooked, run_worker, stop_point, stopping
 
@@ -486,9 +487,34 @@ class GpuOrdered(DeviceOrdered):
     def device_weights(self):
         return self._weights(*self.state)
 
+    def trace(self, tracer):
+        """--trace; on a GPU the kernel stamps its own phases, in a ring that
+        holds every step the host may be ahead by, and the GPU's clock is
+        read beside the host's now and at the end."""
+        super().trace(tracer)
+        if hasattr(self.exchange, "trace"):  # the stand-ins on CPUs have no GPU clock
+            self.exchange.trace((AHEAD + 2) * averages_in(self.steps_per_call,
+                                                          self.average_every))
+            self.clock_at_start, self.stamped = self.exchange.read_clock(), []
+
+    stamped = None  # --trace on a GPU: (step, call, the kernel's stamps) of each traced exchange
+
+    def device_spans(self, marker, step, steps, call, start, now):
+        """The kernel's stamps of the call's exchanges, kept for ``finish``,
+        which puts them on the host's clock."""
+        if self.stamped is None:
+            return super().device_spans(marker, step, steps, call, start, now)
+        if self.tracer.traces(step, steps):
+            at = [step + i for i in range(steps) if averages_after(i, steps, self.average_every)]
+            self.stamped += [(s, call, self.exchange.stamp(n))
+                             for s, n in zip(at, range(marker - len(at) + 1, marker + 1))]
+
     def finish(self):  # both GPUs are done: neither send buffer is read any more
         barrier(self.link)
         self.exchange_steps = self.exchange.steps_done()
+        if self.stamped is not None:  # the stamps onto the host's clock, read once more
+            trace.kernel_spans(self.tracer, self.stamped, self.rank, self.exchange.layout.nbytes,
+                               self.clock_at_start, self.exchange.read_clock())
         self.exchange.close()
 
     def report(self):

@@ -101,10 +101,10 @@ def timeline(args, tracer, rundir, route, device_name, say):
         return
     from multi_gpu import trace
     first = args.node_rank * n_local
-    spans = trace.gather(rundir, range(first, first + n_local), args.timeout)
+    traces = trace.gather(rundir, range(first, first + n_local), args.timeout)
     title = (f"python dual_mlp.py {' '.join(args.devices)}: {route}, batch {args.batch_size} "
              "per worker")
-    document = trace.chrome_trace(spans, {first + i: d for i, d in enumerate(args.devices)},
+    document = trace.chrome_trace(traces, {first + i: d for i, d in enumerate(args.devices)},
                                   dict(title=title, command=args.command, window=dict(
                                       epoch=args.trace_from, steps=args.trace_steps),
                                        clock="CLOCK_MONOTONIC, ns, one clock for the machine"))
@@ -112,4 +112,6 @@ def timeline(args, tracer, rundir, route, device_name, say):
     picture = trace.plot(document, os.path.splitext(args.trace)[0] + ".png")
     say(f"... the timeline of steps from epoch {args.trace_from} is in {args.trace}"
         + (f" and {picture}" if picture else "") + " (open the JSON in ui.perfetto.dev)")
+    if "device_clock" in tracer.about:
+        say(f"... the devices' tracks: the kernel's own stamps, {tracer.about['device_clock']}")
 

@@ -51,6 +51,24 @@ struct Chunk {
 
 __device__ Flags flags_size;  // never used: its size, read at load, sizes the allocation
 
+// --trace: block 0's clock at each phase of one step, in host memory (a
+// ring the host reads as the calls end).  ``step`` is written last, after
+// a fence, so that a host that reads it sees the rest.
+struct Stamp {
+    unsigned long long begin, published;     // %globaltimer, ns
+    unsigned long long signalled;            // its own flag stored (a fenced store) and seen
+    unsigned long long seen, written;        // every worker's flag seen; the mean written
+    int last;                                // the worker whose flag block 0 saw last
+    int step;
+};
+
+// The GPU's own clock: nanoseconds, the same for every block of a GPU.
+__device__ unsigned long long globaltimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
+    return t;
+}
+
 // from[w] for a w known only at run time, by selects: indexing the array
 // itself would copy it into local memory.  For ``rank`` the compiler folds
 // the selects back into an index, so the kernel takes peers.flags[rank] and
@@ -134,11 +152,31 @@ __device__ float4 published_chunk(const Chunk &c, float rate) {
     return c.gradient ? updated(w, load(c.gradient, c.count), rate) : w;
 }
 
+// Block 0's stamps of step t, into its slot of the ring: the last worker
+// is the one whose flag it saw last.
+__device__ void stamp(Stamp *ring, int slots, int t, int rank, int n_workers,
+                      unsigned long long began, unsigned long long published,
+                      const unsigned long long *seen_at) {
+    int last = 0;
+    for (int w = 1; w < n_workers; ++w) if (seen_at[w] > seen_at[last]) last = w;
+    Stamp *s = ring + t % slots;
+    s->begin = began, s->published = published, s->signalled = seen_at[rank];
+    s->seen = seen_at[last];
+    s->written = globaltimer(), s->last = last;
+    __threadfence_system();
+    *(volatile int *)&s->step = t;
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK)
 exchange(const Peers peers, int rank, int n_workers, Flags *mine, float *own,
-         const Segments weights, float rate, long long slot_floats, volatile unsigned *done) {
-    // mine, own: peers.flags[rank] and peers.send[rank], passed apart (see pick)
+         const Segments weights, float rate, long long slot_floats, volatile unsigned *done,
+         Stamp *stamps, int slots) {
+    // mine, own: peers.flags[rank] and peers.send[rank], passed apart (see pick);
+    // stamps: null, or --trace's ring of ``slots`` steps
     const int b = blockIdx.x, me = threadIdx.x;  // threads me < N: one each for worker me
+    const bool stamping = stamps && b == 0;
+    __shared__ unsigned long long seen_at[MAX_WORKERS];
+    const unsigned long long began = stamping ? globaltimer() : 0;
     const long long chunks = weights.chunks_end[weights.count - 1],
                     first = b * (long long)BLOCK + me, stride = (long long)GRID * BLOCK;
     const int t = mine->step[b] + 1;                              // begin: every thread loads
@@ -150,10 +188,12 @@ exchange(const Peers peers, int rank, int n_workers, Flags *mine, float *own,
         store(published + c.flat, published_chunk(c, rate), c.count);
     }
     __syncthreads();                                              // every thread has read t
+    const unsigned long long published_at = stamping ? globaltimer() : 0;
     if (me == 0) mine->step[b] = t;
     if (me < n_workers) {                                         // signal: "published t",
         store_release(&pick(peers.flags, me)->published[b][rank], t); // a 4-byte NVLink store
         wait_for(&mine->published[b][me], t);                     // and worker me's to us
+        if (stamping) seen_at[me] = globaltimer();
     }
     __syncthreads();
     s = 0;
@@ -167,4 +207,24 @@ exchange(const Peers peers, int rank, int n_workers, Flags *mine, float *own,
     }
     __syncthreads();                                              // end: the block's reads are
     if (me == 0) done[b] = t;                                     // done; host memory, PCIe
+    if (stamping && me == 0) stamp(stamps, slots, t, rank, n_workers, began, published_at, seen_at);
+}
+
+// --trace: the GPU's clock beside the host's.  For k = 1 .. samples the host
+// writes k into *asked, and this one thread answers with the clock in
+// answer[k] as soon as it sees it; then answer[0] = the clock's tick, the
+// least step it was seen to take.
+extern "C" __global__ void read_clock(const volatile int *asked,
+                                      volatile unsigned long long *answer, int samples) {
+    for (int k = 1; k <= samples; ++k) {
+        while (*asked < k) {}
+        answer[k] = globaltimer();
+        __threadfence_system();
+    }
+    unsigned long long before = globaltimer(), tick = ~0ull;
+    for (int seen = 0, tries = 0; seen < 16 && tries < 1000000; ++tries) {
+        const unsigned long long now = globaltimer();
+        if (now != before) tick = min(tick, now - before), before = now, ++seen;
+    }
+    answer[0] = tick;
 }

@@ -85,6 +85,15 @@ an H200 host, more than the whole step at small batches).  ``done`` counts
 the steps the GPU has exchanged: a run's count equals its steps, which the
 tests check.
 
+With ``--trace``, block 0 of the kernel stamps each step's phases with the
+GPU's clock (``%globaltimer``) into a ring of ``struct Stamp`` in host
+memory (``trace``; a fence, then the step number, so that the host never
+reads half a stamp): when it began, when its weights were published, when
+its own flag was stored and when every worker's was seen (naming the worker
+seen last), when the mean was written.  ``read_clock`` measures how that
+clock stands to the host's.  Without ``--trace`` the kernel pays one test of
+a null pointer.
+
 One worker alone (``loopback``, ``bench/step_cost.py``) runs every phase on
 its own buffers: the exchange's own cost, on one GPU.
 
@@ -139,11 +148,16 @@ class Segments(ctypes.Structure):
         return segments
 
 
+# struct Stamp of KERNELS
+STAMP = np.dtype([("begin", np.uint64), ("published", np.uint64), ("signalled", np.uint64),
+                  ("seen", np.uint64), ("written", np.uint64), ("last", np.int32),
+                  ("step", np.int32)])
+
+
 def slot_floats(n):
     """Floats in one send slot: the weights, rounded up to 128 bytes so that
     both slots start aligned."""
     return -(-n // 32) * 32
-
 
 
 
@@ -184,6 +198,7 @@ class StreamExchange:
         self._image = np.frombuffer(cubin, np.uint8)  # must outlive the module
         self._module = checked(cu.cuModuleLoadData(self._image.ctypes.data))
         self._kernel = checked(cu.cuModuleGetFunction(self._module, b"exchange"))
+        self._read_clock = checked(cu.cuModuleGetFunction(self._module, b"read_clock"))
         flags_bytes = checked(cu.cuModuleGetGlobal(self._module, b"flags_size"))[1]
         self.slot = slot_floats(layout.size)
         self.send = drv.mem_alloc(2 * self.slot * layout.dtype.itemsize)
@@ -192,11 +207,68 @@ class StreamExchange:
         self.peers = None  # until connect() or loopback()
         self.done = drv.pagelocked_zeros(GRID, np.uint32, mem_flags=drv.host_alloc_flags.DEVICEMAP)
         self._opened = ()  # the others' buffers, opened by IPC
+        self.stamps = None  # --trace: the kernel's ring of stamps (trace())
         self.callbacks = 0
 
     def steps_done(self):
         """The last step whose exchange this GPU has finished."""
         return int(self.done.min())
+
+    def trace(self, slots):
+        """--trace: from the first launch on, block 0 stamps every step's
+        phases into a ring of ``slots`` steps in host memory (``stamp``
+        reads them; a step's slot is written again ``slots`` steps later)."""
+        self.stamps = self.drv.pagelocked_zeros(slots, STAMP,
+                                                mem_flags=self.drv.host_alloc_flags.DEVICEMAP)
+        self.stamps["step"] = -1
+
+    def stamp(self, step):
+        """The stamps of exchange ``step`` (counted from 1), or None where
+        its slot holds another step's."""
+        row = self.stamps[step % len(self.stamps)]
+        if int(row["step"]) != step:
+            return None
+        stamp = row.copy()  # the host reads the step first, then the rest: x86 keeps that order
+        return stamp if int(self.stamps[step % len(self.stamps)]["step"]) == step else None
+
+    def read_clock(self, samples=64, timeout=10.0):
+        """The GPU's clock beside the host's (``trace.DeviceClock``): (the
+        GPU's time, the GPU's minus the host's, half the round trip), the
+        round trip of ``samples`` that was shortest; and the GPU clock's tick
+        in ns.  One thread on a stream of its own, while nothing else of
+        this worker runs."""
+        from multi_gpu import trace
+        drv, cu = self.drv, self.cu
+        flags = drv.host_alloc_flags.DEVICEMAP
+        asked = drv.pagelocked_zeros(1, np.int32, mem_flags=flags)
+        answer = drv.pagelocked_zeros(samples + 1, np.uint64, mem_flags=flags)
+        stream = checked(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        args = [ctypes.c_void_p(int(asked.base.get_device_pointer())),
+                ctypes.c_void_p(int(answer.base.get_device_pointer())), ctypes.c_int(samples)]
+        pointers = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        best = None
+        try:
+            checked(cu.cuLaunchKernel(self._read_clock, 1, 1, 1, 1, 1, 1, 0, stream,
+                                      ctypes.addressof(pointers), 0))
+            deadline = trace.now() + int(timeout * 1e9)
+            for k in range(1, samples + 1):
+                before = trace.now()
+                asked[0] = k
+                while not answer[k]:
+                    if trace.now() > deadline:
+                        raise RuntimeError(f"the GPU did not answer its clock within {timeout:g} s")
+                after = trace.now()
+                if best is None or after - before < 2 * best[2]:
+                    best = (int(answer[k]), int(answer[k]) - (before + after) // 2,
+                            (after - before) / 2)
+        finally:
+            asked[0] = samples  # the kernel ends, whatever happened here
+            checked(cu.cuStreamSynchronize(stream))
+            checked(cu.cuStreamDestroy(stream))
+        tick = int(answer[0])
+        for buffer in (asked, answer):
+            buffer.base.free()
+        return best, tick
 
     def handle(self):
         return self.drv.mem_get_ipc_handle(self.send), self.drv.mem_get_ipc_handle(self.flags)
@@ -247,7 +319,10 @@ class StreamExchange:
                 ctypes.c_void_p(self.peers.flags[self.rank]),
                 ctypes.c_void_p(self.peers.send[self.rank]), Segments.of(buffers, gradients),
                 ctypes.c_float(self.rate), ctypes.c_longlong(self.slot),
-                ctypes.c_void_p(int(self.done.base.get_device_pointer()))]
+                ctypes.c_void_p(int(self.done.base.get_device_pointer())),
+                ctypes.c_void_p(None if self.stamps is None else
+                                int(self.stamps.base.get_device_pointer())),
+                ctypes.c_int(0 if self.stamps is None else len(self.stamps))]
         pointers = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         checked(self.cu.cuLaunchKernel(self._kernel, GRID, 1, 1, BLOCK, 1, 1, 0,
                                        self.cu.CUstream(stream), ctypes.addressof(pointers), 0))
@@ -258,7 +333,9 @@ class StreamExchange:
                 handle.close()
         for buffer in (self.send, self.flags):
             buffer.free()
-        self.done.base.free()
+        for mapped in (self.done, self.stamps):
+            if mapped is not None:
+                mapped.base.free()
         checked(self.cu.cuModuleUnload(self._module))
 
 

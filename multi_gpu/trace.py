@@ -15,6 +15,11 @@ ui.perfetto.dev, and chrome://tracing open it: one process per worker, a
 thread per track, each phase a complete event, ``"ph": "X"``), and draws
 PATH.png beside it where matplotlib is installed: one lane per worker and
 track, a few steps wide, the time in microseconds.
+
+On a GPU under ``--sync gpu`` the exchange kernel stamps its own phases
+with the GPU's clock (``%globaltimer``, ns) into a ring in host memory
+(``stream_exchange.cu``: block 0 of the kernel, whose 128 blocks each do
+the same), and ``DeviceClock`` puts those stamps on the host's clock.
 """
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import json
@@ -33,27 +38,90 @@ class Tracer:
     def __init__(self, rank, first, count):
         self.rank, self.first, self.count = rank, first, count
         self.step, self.spans = -1, []
+        self.about = {}  # what the trace should say of this worker (its device's clock)
 
     def at(self, step):
         """The step the worker is at now (global, from 0)."""
         self.step = step
 
+    def traces(self, first, steps=1):
+        """Do any of the steps ``first`` .. ``first + steps - 1`` fall in the window?"""
+        return first < self.first + self.count and self.first < first + steps
+
     @property
     def on(self):
-        return self.first <= self.step < self.first + self.count
+        return self.traces(self.step)
 
-    def span(self, name, start_ns, end_ns, track=HOST, **args):
-        """A phase that ran from ``start_ns`` to ``end_ns`` (monotonic, ns)."""
-        if self.on:
+    def span(self, name, start_ns, end_ns, track=HOST, step=None, **args):
+        """A phase of ``step`` (default: the step the worker is at) that ran
+        from ``start_ns`` to ``end_ns`` (monotonic, ns)."""
+        step = self.step if step is None else step
+        if self.traces(step):
             self.spans.append(dict(name=name, track=track, start=start_ns, end=end_ns,
-                                   step=self.step, **args))
+                                   step=step, **args))
 
     def write(self, rundir):
         """This worker's spans, into the run folder (whole, or not at all)."""
         path = os.path.join(rundir, f"trace-{self.rank}.json")
         with files.new_file(path + ".part", text=True) as f:
-            json.dump(self.spans, f)
+            json.dump(dict(spans=self.spans, about=self.about), f)
         os.replace(path + ".part", path)
+
+
+class DeviceClock:
+    """A GPU's clock put on the host's: at the start and at the end of the
+    run, the host asks the GPU for its clock and stamps the round trip on
+    its own (``StreamExchange.read_clock``): each reading is (the GPU's
+    time, the GPU's minus the host's at the round trip's midpoint, half the
+    round trip: how far off that can be).  Between the two the offset is
+    taken as linear in time (the two clocks' rates differ by ``drift``)."""
+
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+    @property
+    def drift(self):
+        """(the end's offset - the start's) / the time between: parts of one."""
+        return (self.end[1] - self.start[1]) / max(1, self.end[0] - self.start[0])
+
+    def to_host(self, ns):
+        """A GPU time, in ns of the host's monotonic clock."""
+        return int(ns - self.start[1] - self.drift * (ns - self.start[0]))
+
+    def about(self):
+        return dict(device_clock="%globaltimer of the GPU, on the host's clock to within "
+                    f"{max(self.start[2], self.end[2]) / 1e3:.1f} us (offsets measured at the "
+                    f"run's start and end; their drift, {self.drift * 1e6:.1f} ppm, corrected)",
+                    device_clock_error_us=max(self.start[2], self.end[2]) / 1e3,
+                    device_clock_drift_ppm=self.drift * 1e6)
+
+
+def kernel_spans(tracer, stamped, rank, nbytes, clock_at_start, clock_at_end):
+    """The device's track under ``--sync gpu`` on a GPU: each traced
+    exchange's phases as block 0 of the kernel stamped them (``stamped``:
+    [(step, call, stamp or None where its slot was written again before the
+    host read it)]), and the training between two exchanges of one call,
+    put on the host's clock by the GPU's clock read at the start and the end
+    (``StreamExchange.read_clock``: (reading, tick))."""
+    clock, previous = DeviceClock(clock_at_start[0], clock_at_end[0]), None
+    for step, call, stamp in stamped:
+        if stamp is None:
+            continue
+        at = {k: clock.to_host(int(stamp[k]))
+              for k in ("begin", "published", "signalled", "seen", "written")}
+        def span(name, start, end, **args):
+            tracer.span(name, at[start] if start in at else start, at[end], track=DEVICE,
+                        step=step, call=call, **args)
+        if previous and previous[0] == call:
+            span("train", previous[1], "begin")
+        span("publish", "begin", "published", bytes=nbytes)
+        span("signal", "published", "signalled")
+        if int(stamp["last"]) != rank:
+            span(f"waiting for worker {int(stamp['last'])}", "signalled", "seen")
+        span("copy + average", "seen", "written", bytes=nbytes)
+        previous = (call, at["written"])
+    tracer.about.update(clock.about(), device_clock_tick_ns=clock_at_start[1],
+                        stamps_lost=sum(s is None for *_, s in stamped))
 
 
 def now():
@@ -63,7 +131,8 @@ def now():
 
 
 def gather(rundir, ranks, timeout):
-    """Every worker's spans (``Tracer.write``), waiting for them up to ``timeout`` s."""
+    """Every worker's spans and what to say of it (``Tracer.write``),
+    waiting for them up to ``timeout`` s."""
     deadline, found = time.monotonic() + timeout, {}
     while len(found) < len(ranks) and time.monotonic() < deadline:
         for rank in ranks:
@@ -78,11 +147,16 @@ def gather(rundir, ranks, timeout):
     return found
 
 
-def chrome_trace(spans_of, devices, about):
-    """The Chrome trace-event document of every worker's spans: a process per
-    worker, a thread per track, times in microseconds from the window's start."""
+def chrome_trace(traces, devices, about):
+    """The Chrome trace-event document of every worker's trace (``gather``):
+    a process per worker, a thread per track, times in microseconds from the
+    window's start; what a worker's trace says of it, in ``otherData``."""
+    spans_of = {rank: t["spans"] for rank, t in traces.items()}
     start = min((s["start"] for spans in spans_of.values() for s in spans), default=0)
     events = []
+    workers = {str(rank): t["about"] for rank, t in sorted(traces.items()) if t["about"]}
+    if workers:
+        about = dict(about, workers=workers)
     for rank, spans in sorted(spans_of.items()):
         events.append(dict(ph="M", name="process_name", pid=rank,
                            args=dict(name=f"worker {rank} ({devices[rank]})")))
@@ -102,8 +176,8 @@ def chrome_trace(spans_of, devices, about):
 
 # one colour per phase, the same in every picture
 COLOURS = {"train": "#4c72b0", "publish": "#dd8452", "signal": "#55a868", "copy": "#c44e52",
-           "average": "#8172b3", "waiting": "#bbbbbb", "queue": "#937860",
-           "waiting for the device": "#e5e5e5", "steps": "#4c72b0"}
+           "average": "#8172b3", "copy + average": "#a3508f", "waiting": "#bbbbbb",
+           "queue": "#937860", "waiting for the device": "#e5e5e5", "steps": "#4c72b0"}
 
 
 def colour(name):
@@ -112,10 +186,11 @@ def colour(name):
 
 
 def plot(document, path, steps=4):
-    """PATH.png: a lane per worker and track over the window's first
-    ``steps`` steps (three calls, where a call holds more), each phase in
-    its colour, time in microseconds; None where matplotlib is not
-    installed (said in one line)."""
+    """PATH.png: a lane per worker and track over the time the window's
+    first ``steps`` steps took (three calls, where the device's track knows
+    calls only), on the device's tracks where there are any (the host runs
+    ahead of them), each phase in its colour, time in microseconds; None
+    where matplotlib is not installed (said in one line)."""
     try:
         import matplotlib
     except ImportError:
@@ -127,15 +202,20 @@ def plot(document, path, steps=4):
     events = [e for e in document["traceEvents"] if e["ph"] == "X"]
     names = {e["pid"]: e["args"]["name"] for e in document["traceEvents"]
              if e["ph"] == "M" and e["name"] == "process_name"}
-    first = min(e["args"]["step"] for e in events)
-    steps = max(steps, 3 * max(e["args"].get("steps", 1) for e in events))
-    shown = [e for e in events if e["args"]["step"] < first + steps]
+    on_device = [e for e in events if e["tid"] == 1]
+    keys = on_device or events
+    first = min(e["args"]["step"] for e in keys)
+    steps = max(steps, 3 * max(e["args"].get("steps", 1) for e in keys))
+    timed = [e for e in keys if e["args"]["step"] < first + steps]
+    lo, hi = min(e["ts"] for e in timed), max(e["ts"] + e["dur"] for e in timed)
+    shown = [e for e in events if e["ts"] < hi and e["ts"] + e["dur"] > lo]
     lanes = sorted({(e["pid"], e["tid"]) for e in shown})
     fig, ax = plt.subplots(figsize=(12, 0.7 * len(lanes) + 1.6))
     seen = {}
     for y, (pid, tid) in enumerate(reversed(lanes)):
         for e in (e for e in shown if (e["pid"], e["tid"]) == (pid, tid)):
-            bar = ax.broken_barh([(e["ts"], max(e["dur"], 0.5))], (y - 0.35, 0.7),
+            start, end = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
+            bar = ax.broken_barh([(start - lo, max(end - start, 0.5))], (y - 0.35, 0.7),
                                  color=colour(e["name"]), edgecolor="white", linewidth=0.3)
             key = "waiting for a later worker" if e["name"].startswith("waiting for worker") \
                 else e["name"]
@@ -143,7 +223,8 @@ def plot(document, path, steps=4):
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels([f"{names[pid]}, {(HOST, DEVICE)[tid]}" for pid, tid in reversed(lanes)])
     ax.set_xlabel("microseconds")
-    ax.set_title(f"{document['otherData']['title']}: steps {first}-{first + steps - 1}")
+    ax.set_title(f"{document['otherData']['title']}: steps {first}-{first + steps - 1}"
+                 + (" on the devices" if on_device else ""))
     ax.legend(seen.values(), seen.keys(), loc="upper center", bbox_to_anchor=(0.5, -0.25),
               ncol=min(5, len(seen)), fontsize=8, frameon=False)
     fig.tight_layout()

@@ -246,26 +246,29 @@ class DeviceOrdered(Trainer):
 
     def traced_call(self, called, steps):
         """--trace: the call just queued, on the host's track; the device's
-        track learns when each call is done, as the host sees it."""
+        track learns when each call is done (``device_spans``)."""
         if not self.tracer:
             return
         self.tracer.span("queue", called, time.perf_counter_ns(), steps=steps,
                          first=self.steps_run - steps, call=self.calls)
-        self.in_flight.append((self.queued[-1], self.tracer.step, steps, called))
+        self.in_flight.append((self.queued[-1], self.tracer.step, steps, self.calls, called))
         self.see_the_device()
 
     def see_the_device(self):
-        """The calls the device has finished since the host last looked: each a
-        span on the device's track, from when the one before it ended (or it
-        was queued) to now (the host looks between its calls and while it waits)."""
+        """The calls the device has finished since the host last looked (it
+        looks between its calls and while it waits), each to ``device_spans``."""
         while self.tracer and self.in_flight and self.done(self.in_flight[0][0]):
-            _, step, steps, queued = self.in_flight.popleft()
+            marker, step, steps, call, queued = self.in_flight.popleft()
             now = time.perf_counter_ns()
-            start = max(queued, self.device_free)
+            self.device_spans(marker, step, steps, call, max(queued, self.device_free), now)
             self.device_free = now
-            tracer_step, self.tracer.step = self.tracer.step, step
-            self.tracer.span("steps", start, now, track="device", first=step, steps=steps)
-            self.tracer.step = tracer_step
+
+    def device_spans(self, marker, step, steps, call, start, now):
+        """The device's track of a call of ``steps`` steps from ``step`` that
+        the host saw done at ``now``: one span, from when the one before it
+        ended (or it was queued).  A device that stamps its own phases says more."""
+        self.tracer.span("steps", start, now, track="device", step=step, first=step,
+                         steps=steps, call=call)
 
     def weights(self):
         return [np.array(w) for w in self.device_weights()]

@@ -289,11 +289,17 @@ def test_gpu_ordered_run_killed_or_stalled_or_interrupted_stops(tmp_path, no_lef
     assert records.load_checkpoint(str(ckpt), SHAPES, records.TRAINING_STATE)[2]["epoch"] >= 1
 
 
+EXCHANGE_PHASES = ["publish", "signal", "copy + average"]  # the kernel's, as it stamps them
+
+
 @pytest.mark.parametrize("sync", ["host", "gpu"])
 def test_a_gpu_run_traces_its_phases(tmp_path, sync):
     """--trace on a GPU (time-sliced on one where there is one): host-ordered,
-    every phase of every traced step in order; GPU-ordered, the host's track
-    queues calls ahead of the device's, which says when each was done."""
+    every phase of every traced step in order; GPU-ordered, the kernel's own
+    stamps on the device's track, every phase of every step in order, no
+    worker's GPU leaving the signal before every worker's arrived (on the
+    host's clock, to within the clocks' stated error), and the host's track
+    queueing a call before the device is done with the one before."""
     from test_trace import HOST_PHASES, spans
     devices = ["0", "0"] if sync == "gpu" else PAIR
     extra = ["--sync", "gpu"] if sync == "gpu" else ["--sync", "host"]
@@ -302,13 +308,36 @@ def test_a_gpu_run_traces_its_phases(tmp_path, sync):
     assert out.returncode == 0, out.stderr
     document = json.loads((tmp_path / "t.json").read_text())
     assert (tmp_path / "t.png").stat().st_size > 10000
+    barriers = {}  # step -> [(arrived, left)] of every worker's GPU
     for worker, events in spans(document).items():
         if sync == "host":
             for step in {e["args"]["step"] for e in events}:
                 assert [e["name"] for e in events if e["args"]["step"] == step and not
                         e["name"].startswith("waiting for worker")] == HOST_PHASES
-        else:
-            queued = [e for e in events if e["name"] == "queue"]
-            done = [e for e in events if e["name"] == "steps"]
-            assert queued and len(done) == len(queued)
-            assert any(q["ts"] < d["ts"] + d["dur"] for q, d in zip(queued[1:], done)), worker
+            continue
+        device = [e for e in events if e["tid"] == 1]
+        assert len({e["args"]["step"] for e in device}) == 20, worker
+        for step in sorted({e["args"]["step"] for e in device}):
+            phases = [e for e in device if e["args"]["step"] == step]
+            names = [e["name"] for e in phases if not e["name"].startswith("waiting for worker")]
+            assert names in (EXCHANGE_PHASES, ["train"] + EXCHANGE_PHASES), (worker, step, names)
+            named = {e["name"]: e for e in phases}
+            barriers.setdefault(step, []).append(
+                (named["signal"]["ts"], named["copy + average"]["ts"]))
+        for a, b in zip(device, device[1:]):
+            assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, (worker, a, b)
+        ends = {}
+        for e in device:
+            ends[e["args"]["call"]] = max(ends.get(e["args"]["call"], 0), e["ts"] + e["dur"])
+        queued = [e for e in events if e["name"] == "queue" and e["args"]["call"] - 1 in ends]
+        assert any(q["ts"] < ends[q["args"]["call"] - 1] for q in queued), worker
+    if sync == "gpu":
+        about = document["otherData"]["workers"]
+        assert all(a["stamps_lost"] == 0 for a in about.values()), about
+        error = sum(a["device_clock_error_us"] for a in about.values())
+        assert error < 50, about
+        for step, visits in barriers.items():
+            assert len(visits) == 2
+            assert max(a for a, _ in visits) <= min(left for _, left in visits) + error, \
+                (step, visits, error)
+        print(f"GPU clocks: {[a['device_clock'] for a in about.values()]}")

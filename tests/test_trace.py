@@ -141,3 +141,35 @@ def test_a_trace_is_held_as_a_checkpoint_is(tmp_path):
     finally:
         live.send_signal(2)
         finish(live, timeout=30)
+
+
+def test_the_kernels_stamps_go_onto_the_hosts_clock_as_phases_in_order():
+    """``trace.kernel_spans``: a GPU's stamps (``struct Stamp``, as the
+    kernel writes them) become the device's phases on the host's clock,
+    the clocks' drift taken out between the two readings; training only
+    between two exchanges of one call; a lost stamp counted, not drawn."""
+    import numpy as np
+
+    from multi_gpu import trace
+    from multi_gpu.stream_exchange import STAMP
+    start, end = (1_000_000, 400_000, 300.0), (11_000_000, 410_000, 500.0)  # drift 1e-3
+    clock = trace.DeviceClock(start, end)
+    assert clock.to_host(1_000_000) == 600_000 and clock.to_host(11_000_000) == 10_590_000
+    stamps = np.zeros(2, STAMP)
+    for s, t0, last in zip(stamps, (2_000_000, 2_100_000), (1, 0)):
+        s["begin"], s["published"], s["signalled"] = t0, t0 + 10_000, t0 + 11_000
+        s["seen"], s["written"], s["last"], s["step"] = t0 + 30_000, t0 + 50_000, last, 1
+    tracer = trace.Tracer(rank=0, first=10, count=5)
+    trace.kernel_spans(tracer, [(10, 4, stamps[0]), (11, 4, stamps[1]), (12, 5, None)], 0,
+                       1024, (start, 32), (end, 32))
+    names = [(s["step"], s["name"]) for s in tracer.spans]
+    assert names == [(10, "publish"), (10, "signal"), (10, "waiting for worker 1"),
+                     (10, "copy + average"), (11, "train"), (11, "publish"), (11, "signal"),
+                     (11, "copy + average")]
+    assert all(s["track"] == trace.DEVICE for s in tracer.spans)
+    assert tracer.spans[0]["start"] == clock.to_host(2_000_000) == 1_599_000
+    assert tracer.spans[4]["end"] - tracer.spans[4]["start"] == clock.to_host(2_100_000) - \
+        clock.to_host(2_050_000)
+    assert tracer.about["stamps_lost"] == 1 and tracer.about["device_clock_error_us"] == 0.5
+    assert tracer.about["device_clock_tick_ns"] == 32
+    assert round(tracer.about["device_clock_drift_ppm"]) == 1000
