@@ -1,5 +1,6 @@
 """Shared helpers: the tests run the real scripts as real processes."""
 import atexit
+import contextlib
 import gzip
 import os
 import pickle
@@ -113,8 +114,8 @@ def start_node(port, rank, *args, env=None, **kw):
 STARTED = []
 
 
-def stop_started(*_):
-    for proc in STARTED:
+def stop_started(started=STARTED):
+    for proc in started:
         if proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -132,8 +133,15 @@ signal.signal(signal.SIGTERM, stop_started_and_exit)
 
 
 def workers_of(launcher):
-    return [p for p in psutil.Process(launcher.pid).children()
-            if "--worker" in p.cmdline()]
+    """The launcher's workers now (a child that ends meanwhile is none)."""
+    found = []
+    for p in psutil.Process(launcher.pid).children():
+        try:
+            if "--worker" in p.cmdline():
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
 
 
 def wait_for(predicate, timeout, what):
@@ -172,6 +180,20 @@ def run_directories():
     """The run folders of the tests' launchers that exist now."""
     return {p for p in run_folders() - OLDER_FOLDERS
             if p.name.split("-")[1].isdigit() and int(p.name.split("-")[1]) in LAUNCHERS}
+
+
+@pytest.fixture(autouse=True)
+def runs_end_with_their_test():
+    """A test that fails midway leaves nothing running for the next ones to
+    trip on (a worker a failed test left stopped once failed the next four):
+    after each test, the launchers it started and this process's tests'
+    workers are killed.  ``no_leftovers``' own check comes first."""
+    started = len(STARTED)
+    yield
+    stop_started(STARTED[started:])
+    for worker in leftover_workers():
+        with contextlib.suppress(psutil.Error):
+            worker.kill()
 
 
 @pytest.fixture

@@ -303,8 +303,8 @@ def test_a_gpu_run_traces_its_phases(tmp_path, sync):
     from test_trace import HOST_PHASES, spans
     devices = ["0", "0"] if sync == "gpu" else PAIR
     extra = ["--sync", "gpu"] if sync == "gpu" else ["--sync", "host"]
-    out = dual(*devices, *extra, "--epochs", 2, "--batch-size", 100, "--trace",
-               tmp_path / "t.json", "--trace-steps", 20)
+    out = dual(*devices, *extra, "--epochs", 3, "--batch-size", 100, "--trace",
+               tmp_path / "t.json", "--trace-steps", 20)  # 15 steps an epoch
     assert out.returncode == 0, out.stderr
     document = json.loads((tmp_path / "t.json").read_text())
     assert (tmp_path / "t.png").stat().st_size > 10000
