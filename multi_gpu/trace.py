@@ -185,12 +185,13 @@ def colour(name):
         COLOURS.get(name, "#8c8c8c")
 
 
-def plot(document, path, steps=4):
-    """PATH.png: a lane per worker and track over the time the window's
-    first ``steps`` steps took (three calls, where the device's track knows
-    calls only), on the device's tracks where there are any (the host runs
-    ahead of them), each phase in its colour, time in microseconds; None
-    where matplotlib is not installed (said in one line)."""
+def plot(document, path, steps=4, first=None):
+    """PATH.png: a lane per worker and track over the time that ``steps``
+    steps from ``first`` (default: the window's first) took (three calls,
+    where the device's track knows calls only), on the device's tracks where
+    there are any (the host runs ahead of them), each phase in its colour,
+    time in microseconds; None where matplotlib is not installed (said in
+    one line)."""
     try:
         import matplotlib
     except ImportError:
@@ -204,9 +205,11 @@ def plot(document, path, steps=4):
              if e["ph"] == "M" and e["name"] == "process_name"}
     on_device = [e for e in events if e["tid"] == 1]
     keys = on_device or events
-    first = min(e["args"]["step"] for e in keys)
+    first = min(e["args"]["step"] for e in keys) if first is None else first
     steps = max(steps, 3 * max(e["args"].get("steps", 1) for e in keys))
-    timed = [e for e in keys if e["args"]["step"] < first + steps]
+    timed = [e for e in keys if first <= e["args"]["step"] < first + steps]
+    if not timed:
+        raise ValueError(f"no step {first} in the trace")
     lo, hi = min(e["ts"] for e in timed), max(e["ts"] + e["dur"] for e in timed)
     shown = [e for e in events if e["ts"] < hi and e["ts"] + e["dur"] > lo]
     lanes = sorted({(e["pid"], e["tid"]) for e in shown})
@@ -236,20 +239,32 @@ def plot(document, path, steps=4):
 
 def main(argv=None):
     """``python -m multi_gpu.trace PATH.json``: draw PATH.png again from a trace."""
-    import argparse
-    parser = argparse.ArgumentParser(prog="python -m multi_gpu.trace", allow_abbrev=False,
-                                     description="Draw a --trace file's picture (PATH.png).")
+    from multi_gpu.cli import Parser, positive_int
+    parser = Parser(prog="python -m multi_gpu.trace",
+                    about="Draw a --trace file's picture again (PATH.png beside it).")
     parser.add_argument("trace", metavar="PATH.json")
-    path = parser.parse_args(argv).trace
+    parser.add_argument("--first", type=int, metavar="STEP",
+                        help="the picture's first step, counted over the run from 0 "
+                        "(default: the trace's first)")
+    parser.add_argument("--steps", type=positive_int, default=4, metavar="N",
+                        help="steps in the picture (default 4; three calls at least where the "
+                        "device's track knows only calls)")
+    args = parser.parse_args(argv)
+    path, picture = args.trace, os.path.splitext(args.trace)[0] + ".png"
     try:
         with open(path) as f:
             document = json.load(f)
-        picture = plot(document, os.path.splitext(path)[0] + ".png")
-    except (OSError, ValueError, KeyError) as e:
-        raise SystemExit(f"python -m multi_gpu.trace: error: {path}: not a --trace file ({e})")
-    if picture:
-        print(f"wrote {picture}")
-
+        steps = {e["args"]["step"] for e in document["traceEvents"] if e["ph"] == "X"}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(f"{path}: not a --trace file ({e})")
+    if args.first is not None and args.first not in steps:
+        parser.error(f"--first {args.first}: the trace holds steps {min(steps)} to {max(steps)}")
+    try:
+        if plot(document, picture, args.steps, args.first):
+            print(f"wrote {picture}")
+    except OSError as e:
+        raise SystemExit(f"python -m multi_gpu.trace: error: cannot write {picture}: "
+                         f"{e.strerror or e}")
 
 if __name__ == "__main__":
     main()

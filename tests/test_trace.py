@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import dual
+from conftest import ROOT, dual
 
 HOST_PHASES = ["train", "publish", "signal", "copy", "signal", "average"]
 
@@ -173,3 +173,23 @@ def test_the_kernels_stamps_go_onto_the_hosts_clock_as_phases_in_order():
     assert tracer.about["stamps_lost"] == 1 and tracer.about["device_clock_error_us"] == 0.5
     assert tracer.about["device_clock_tick_ns"] == 32
     assert round(tracer.about["device_clock_drift_ppm"]) == 1000
+
+
+def test_a_trace_is_drawn_again_from_a_chosen_step(traced):
+    """``python -m multi_gpu.trace PATH.json --first STEP``: the picture
+    again, from that step; a step the trace does not hold is one line."""
+    import subprocess
+    import sys
+    folder, document, _ = traced
+    picture = folder / "run.png"
+    before = picture.read_bytes()
+    first = min(e["args"]["step"] for e in document["traceEvents"] if e["ph"] == "X")
+    command = [sys.executable, "-m", "multi_gpu.trace", str(folder / "run.json")]
+    drawn = subprocess.run(command + ["--first", str(first + 3), "--steps", "2"],
+                           capture_output=True, text=True, cwd=ROOT)
+    assert drawn.returncode == 0 and f"wrote {picture}" in drawn.stdout, drawn.stderr
+    assert picture.read_bytes() != before
+    refused = subprocess.run(command + ["--first", str(first + 100)], capture_output=True,
+                             text=True, cwd=ROOT)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert f"the trace holds steps {first} to {first + 7}" in refused.stderr
