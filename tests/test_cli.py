@@ -197,14 +197,16 @@ def test_a_stray_temporary_of_an_interrupted_checkpoint_write_is_removed(tmp_pat
 
 
 def test_a_long_compile_shows_a_heartbeat():
-    said = []
+    said, start = [], time.perf_counter()
     with cli.heartbeat("compiling the model (the first run takes a minute)", said.append,
                        every=0.05):
         time.sleep(0.32)
+    took = time.perf_counter() - start
     assert said[0] == "... compiling the model (the first run takes a minute)"
     assert len(said) >= 6 and all(s.startswith("... still compiling the model: ")
                                   for s in said[1:-1])
-    assert re.fullmatch(r"\.\.\. compiled in 0\.3 s", said[-1]), said[-1]  # nothing from a cache
+    shown = re.fullmatch(r"\.\.\. compiled in (\d+\.\d) s", said[-1])  # nothing from a cache
+    assert shown and 0.3 <= float(shown[1]) <= round(took, 1), (said[-1], took)
 
 
 def test_help_explains_every_option():
