@@ -90,7 +90,8 @@ GPU's clock (``%globaltimer``) into a ring of ``struct Stamp`` in host
 memory (``trace``; a fence, then the step number, so that the host never
 reads half a stamp): when it began, when its weights were published, when
 its own flag was stored and when every worker's was seen (naming the worker
-seen last), when the mean was written.  ``read_clock`` measures how that
+seen last), when the mean was written: the trace's ``publish``, ``signal``,
+``waiting for worker k`` and ``copy + average`` (``reduce`` above).  ``read_clock`` measures how that
 clock stands to the host's.  Without ``--trace`` the kernel pays one test of
 a null pointer.
 
