@@ -759,7 +759,8 @@ def parse_args(argv=None):
     p.add_argument("--trace", metavar="PATH.json", type=cli.writable,
                    help="record every worker's phases, step by step, for a window of steps, "
                         "as a Chrome trace (open it in ui.perfetto.dev or chrome://tracing), "
-                        "and draw PATH.png beside it (with matplotlib)")
+                        "and draw PATH.png beside it (with matplotlib); each node its own "
+                        "workers, node R > 0 into PATH.nodeR.json")
     p.add_argument("--trace-from", type=cli.positive_int, metavar="EPOCH",
                    help="--trace: the epoch whose first step the window starts at (default: "
                         "2, after compiling and warming up; 1 for a run of one epoch)")

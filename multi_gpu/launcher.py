@@ -252,7 +252,12 @@ def check_resume(args, shapes):
 
 
 def check_outputs(args):
-    """No output overwrites an input or another output of this run."""
+    """No output overwrites an input or another output of this run.  Node
+    R > 0 writes its workers' trace beside node 0's, PATH.nodeR.json: on one
+    machine, or one shared file system, the nodes' traces do not meet."""
+    if args.trace and args.node_rank:
+        stem, ext = os.path.splitext(args.trace)
+        args.trace = f"{stem}.node{args.node_rank}{ext}"
     if args.trace and trace_picture(args.trace) == args.trace:
         raise UsageError(f"--trace {args.trace}: a .png is the picture beside the trace; name "
                          "the trace PATH.json")

@@ -9,9 +9,9 @@ device's.  Outside the window a phase pays one comparison; without
 ``--trace``, nothing (the trainers do not ask for a tracer at all).
 
 At the end each worker leaves its spans in the run folder
-(``trace-RANK.json``), and the first worker of each machine merges its
-machine's into PATH in the Chrome trace-event format (Perfetto,
-ui.perfetto.dev, and chrome://tracing open it: one process per worker, a
+(``trace-RANK.json``), and the first worker of each node merges its
+node's into PATH (node R > 0: PATH.nodeR.json) in the Chrome trace-event
+format (Perfetto, ui.perfetto.dev, and chrome://tracing open it: one process per worker, a
 thread per track, each phase a complete event, ``"ph": "X"``), and draws
 PATH.png beside it where matplotlib is installed: one lane per worker and
 track, a few steps wide, the time in microseconds.
