@@ -86,8 +86,10 @@ def test_ctrl_c_through_tee_leaves_no_lock_and_no_run_folder(tmp_path, exchange)
 
 
 def set_of_runs_of(pid):
-    from conftest import run_folders
-    return {p for p in run_folders() if p.name.startswith(f"dual_mlp-{pid}-")}
+    """The run folders of the launcher ``pid`` (not a dead run's of an
+    earlier process that had the same pid)."""
+    from conftest import OLDER_FOLDERS, run_folders
+    return {p for p in run_folders() - OLDER_FOLDERS if p.name.startswith(f"dual_mlp-{pid}-")}
 
 
 def test_a_launcher_killed_while_worker_0_writes_leaves_no_temporary(tmp_path):
