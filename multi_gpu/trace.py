@@ -22,6 +22,7 @@ with the GPU's clock (``%globaltimer``, ns) into a ring in host memory
 the same), and ``DeviceClock`` puts those stamps on the host's clock.
 """
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import functools
 import json
 import os
 import time
@@ -88,11 +89,16 @@ class DeviceClock:
         """A GPU time, in ns of the host's monotonic clock."""
         return int(ns - self.start[1] - self.drift * (ns - self.start[0]))
 
+    @property
+    def error_ns(self):
+        """How far off a time put on the host's clock can be: the wider reading's."""
+        return max(self.start[2], self.end[2])
+
     def about(self):
         return dict(device_clock="%globaltimer of the GPU, on the host's clock to within "
-                    f"{max(self.start[2], self.end[2]) / 1e3:.1f} us (offsets measured at the "
-                    f"run's start and end; their drift, {self.drift * 1e6:.1f} ppm, corrected)",
-                    device_clock_error_us=max(self.start[2], self.end[2]) / 1e3,
+                    f"{self.error_ns / 1e3:.1f} us (offsets measured at the run's start and "
+                    f"end; their drift, {self.drift * 1e6:.1f} ppm, corrected)",
+                    device_clock_error_us=self.error_ns / 1e3,
                     device_clock_drift_ppm=self.drift * 1e6)
 
 
@@ -109,16 +115,14 @@ def kernel_spans(tracer, stamped, rank, nbytes, clock_at_start, clock_at_end):
             continue
         at = {k: clock.to_host(int(stamp[k]))
               for k in ("begin", "published", "signalled", "seen", "written")}
-        def span(name, start, end, **args):
-            tracer.span(name, at[start] if start in at else start, at[end], track=DEVICE,
-                        step=step, call=call, **args)
+        span = functools.partial(tracer.span, track=DEVICE, step=step, call=call)
         if previous and previous[0] == call:
-            span("train", previous[1], "begin")
-        span("publish", "begin", "published", bytes=nbytes)
-        span("signal", "published", "signalled")
+            span("train", previous[1], at["begin"])
+        span("publish", at["begin"], at["published"], bytes=nbytes)
+        span("signal", at["published"], at["signalled"])
         if int(stamp["last"]) != rank:
-            span(f"waiting for worker {int(stamp['last'])}", "signalled", "seen")
-        span("copy + average", "seen", "written", bytes=nbytes)
+            span(f"waiting for worker {int(stamp['last'])}", at["signalled"], at["seen"])
+        span("copy + average", at["seen"], at["written"], bytes=nbytes)
         previous = (call, at["written"])
     tracer.about.update(clock.about(), device_clock_tick_ns=clock_at_start[1],
                         stamps_lost=sum(s is None for *_, s in stamped))
