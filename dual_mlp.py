@@ -175,6 +175,15 @@ class CudaIpcTransport:
         self.sources = self.opened = []
 
 
+def mapped(path, layout, mode):
+    """A run-folder file of ``layout``'s floats mapped into memory
+    (``np.memmap``): ``new`` (made here, exclusively), ``r`` or ``r+``."""
+    with (files.new_file(path, layout.nbytes) if mode == "new" else
+          files.open_file(path, write=mode == "r+")) as f:
+        return np.memmap(f, layout.dtype, mode="r" if mode == "r" else "r+",
+                         shape=(layout.size,))
+
+
 class HostTransport:
     """The same calls between CPU workers, the transport a laptop runs: the
     send buffer is a file in the run's private folder that every worker maps
@@ -193,11 +202,11 @@ class HostTransport:
     def __init__(self, rundir, rank, n_workers, layout, device):
         self.rank, self.n, self.device, self.layout = rank, n_workers, device, layout.aligned()
         self.path = os.path.join(rundir, f"weights{rank}.bin")
-        self.send = self.mapped(self.path, new=True)
+        self.send = mapped(self.path, self.layout, "new")
         self.send_views = self.layout.views(self.send)
         self.mean_path = os.path.join(rundir, "mean.bin")
         if rank == 0:  # made before the handshake, which the others wait for to open it
-            self.mapped(self.mean_path, new=True)
+            mapped(self.mean_path, self.layout, "new")
         # my share of every buffer: whole 64-byte blocks, the last share takes the rest
         block = 64 // self.layout.dtype.itemsize
         cut = [min(self.layout.size, -(-self.layout.size * k // n_workers // block) * block)
@@ -206,18 +215,12 @@ class HostTransport:
         self.received = [devices.host_buffer(self.layout.size, self.layout.dtype)]
         self.sources = []
 
-    def mapped(self, path, new=False):
-        """A run-folder file mapped into memory, for reading and writing."""
-        with (files.new_file(path, self.layout.nbytes) if new else
-              files.open_file(path, write=True)) as f:
-            return np.memmap(f, self.layout.dtype, mode="r+", shape=(self.layout.size,))
-
     def handle(self):
         return self.path
 
     def connect(self, handles):
-        self.sources = [self.mapped(path) for path in handles]
-        self.received = [self.mapped(self.mean_path)]
+        self.sources = [mapped(path, self.layout, "r") for path in handles]
+        self.received = [mapped(self.mean_path, self.layout, "r+")]
 
     def publish(self, values):
         for view, value in zip(self.send_views, values):
@@ -245,8 +248,7 @@ class StagedCudaTransport:
     def __init__(self, rundir, rank, n_workers, layout, device):
         self.layout, self.device = layout, device
         self.path = os.path.join(rundir, f"weights{rank}.bin")
-        with files.new_file(self.path, layout.nbytes) as f:
-            self.send = np.memmap(f, layout.dtype, mode="r+", shape=(layout.size,))
+        self.send = mapped(self.path, layout, "new")
         self.send_views = layout.views(self.send)
         self.recv = device.put(np.zeros(n_workers * layout.size, layout.dtype))
         self.received, self.sources = [self.recv], []
@@ -255,11 +257,7 @@ class StagedCudaTransport:
         return self.path
 
     def connect(self, handles):
-        self.sources = []
-        for path in handles:
-            with files.open_file(path) as f:
-                self.sources.append(np.memmap(f, self.layout.dtype, mode="r",
-                                              shape=(self.layout.size,)))
+        self.sources = [mapped(path, self.layout, "r") for path in handles]
 
     def publish(self, values):
         for view, value in zip(self.send_views, values):
