@@ -18,7 +18,7 @@ import pytest
 
 from multi_gpu import datasets, records
 from conftest import splits as conftest_splits
-from conftest import (LAUNCHERS, ROOT, SECRET, SHAPES, TOKEN, dual, finish, kill_one_worker,
+from conftest import (LAUNCHERS, ROOT, SHAPES, TOKEN, dual, finish, kill_one_worker,
                       leftover_workers, run_directories, script, start_checkpointing,
                       start_dual, start_node, wait_for, wait_until_training, workers_of)
 from multi_gpu.launcher import free_port
@@ -469,36 +469,6 @@ def test_a_disk_that_fills_mid_run_is_a_failure_naming_the_file(tmp_path, name, 
     assert len(lines) == len(ends), out.stderr
     for line, words in zip(lines, ends):
         assert words.format(disk=disk) in line, out.stderr
-
-
-def test_the_lobby_answers_any_message_and_lets_the_real_node_in(no_leftovers):
-    """Messages a node holding the run's secret could send to node 0's lobby
-    each get an answer; the door stays open, and the run's own node 1 joins
-    after them."""
-    import zmq
-    from multi_gpu.launcher import curve_keys
-    port = free_port()
-    node0 = start_node(port, 0, "--epochs", 1, "--timeout", 60)
-    context = zmq.Context()
-    public, private = curve_keys(SECRET)
-    try:
-        for message in (b'{"node_rank": 1e999, "options": {}}', b"\xff not json",
-                        b'{"node_rank": "1", "options": []}', b'{"node_rank": 7, "options": {}}',
-                        b"[]", b'{"node_rank": 1, "options": {"epochs": [1e999]}}'):
-            ask = context.socket(zmq.REQ)
-            ask.setsockopt(zmq.LINGER, 0)
-            ask.curve_serverkey, ask.curve_publickey, ask.curve_secretkey = public, public, private
-            ask.connect(f"tcp://127.0.0.1:{port}")
-            ask.send(message)
-            assert ask.poll(30000), f"no answer to {message!r}"
-            assert ask.recv_json()["why"], message
-            ask.close()
-    finally:
-        context.term()
-    node1 = start_node(port, 1, "--epochs", 1, "--timeout", 60)
-    for node in (node0, node1):
-        code, _, err = finish(node, timeout=120)
-        assert code == 0, err
 
 
 def test_a_checkpoint_holds_exactly_what_the_demo_writes(tmp_path, no_leftovers):

@@ -7,18 +7,16 @@ import re
 import os
 import signal
 import shutil
-import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import psutil
 import pytest
 
 from multi_gpu import datasets, files, records
-from conftest import (SECRET, SHAPES, dual, finish, leftover_workers, start_dual, start_node,
-                      wait_for, wait_until_training, workers_of)
+from conftest import (SECRET, SHAPES, dual, finish, leftover_workers, start_dual, wait_for,
+                      wait_until_training, workers_of)
 from multi_gpu.launcher import free_port
 
 NOBODY = 65534
@@ -124,89 +122,6 @@ def test_a_folder_or_file_that_is_not_this_users_alone_is_neither_trusted_nor_re
     assert target.read_text() == "kept"
     files.remove_folder(str(good))
     assert not good.exists() and target.exists()
-
-
-def lobby_client(context, port, secret=None):
-    """A zmq REQ socket to node 0's lobby: a node's with ``secret``, else a
-    stranger's, who speaks plain zmq."""
-    import zmq
-    from multi_gpu.launcher import curve_keys
-    ask = context.socket(zmq.REQ)
-    ask.setsockopt(zmq.LINGER, 0)
-    if secret:
-        public, private = curve_keys(secret)
-        ask.curve_serverkey, ask.curve_publickey, ask.curve_secretkey = public, public, private
-    ask.connect(f"tcp://127.0.0.1:{port}")
-    return ask
-
-
-def test_only_a_node_holding_the_runs_secret_gets_in_and_a_stranger_learns_nothing(
-        no_leftovers):
-    """Node 0 makes the run's secret and prints it.  A stranger asking in
-    plain zmq, or with another secret, gets no answer at all (no option
-    value, no fingerprint, no coordinator address); a node started with
-    another secret, or none, is refused in one line; the node given the
-    printed secret joins, and both train."""
-    import zmq
-    port = free_port()
-    node0 = start_node(port, 0, "--epochs", 2, "--timeout", 60, env={"DUAL_MLP_SECRET": ""})
-    line = wait_for(lambda: next((l for l in iter(node0.stdout.readline, "")
-                                  if "the run's secret" in l), None), 60, "the secret")
-    secret = line.split("DUAL_MLP_SECRET=")[1].split()[0]
-    assert len(secret) >= 16 and secret != SECRET
-    context = zmq.Context()
-    try:
-        for who in (None, "not the run's secret at all"):
-            ask = lobby_client(context, port, who)
-            ask.send(b'{"node_rank": 1, "options": {}}')
-            assert not ask.poll(3000), f"a stranger ({who}) was answered"
-            ask.close()
-    finally:
-        context.term()
-    for env, words in (({"DUAL_MLP_SECRET": "another secret, long enough"},
-                        "the handshake failed: this node does not hold the run's secret"),
-                       ({"DUAL_MLP_SECRET": ""}, "node 1 needs the run's secret")):
-        stranger = start_node(port, 1, "--epochs", 2, "--timeout", 60, env=env)
-        code, _, err = finish(stranger, timeout=60)
-        assert code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
-    node1 = start_node(port, 1, "--epochs", 2, "--timeout", 60, env={"DUAL_MLP_SECRET": secret})
-    for node in (node0, node1):
-        code, _, err = finish(node, timeout=120)
-        assert code == 0, err
-
-
-def test_idle_strangers_and_a_huge_message_neither_keep_the_node_out_nor_swell_node_0(
-        no_leftovers):
-    """1100 connections that never speak, and 200 MB sent by a stranger:
-    node 0's launcher stays within 100 MB of its size, and the run's node 1
-    joins while the connections are still open."""
-    port = free_port()
-    node0 = start_node(port, 0, "--epochs", 2, "--timeout", 60)
-    launcher = psutil.Process(node0.pid)
-    wait_for(lambda: any(c.laddr.port == port for c in launcher.net_connections("tcp")
-                         if c.status == psutil.CONN_LISTEN), 60, "the lobby to listen")
-    size = launcher.memory_info().rss
-    idle = []
-    try:
-        for _ in range(1100):
-            idle.append(socket.create_connection(("127.0.0.1", port)))
-        with socket.create_connection(("127.0.0.1", port)) as big:
-            big.settimeout(20)
-            chunk = b"\x01" * (1 << 20)
-            try:
-                for _ in range(200):
-                    big.sendall(chunk)
-            except OSError:
-                pass  # dropped by node 0: as it should
-        time.sleep(1)
-        assert launcher.memory_info().rss < size + (100 << 20)
-        node1 = start_node(port, 1, "--epochs", 2, "--timeout", 60)
-        for node in (node0, node1):
-            code, _, err = finish(node, timeout=120)
-            assert code == 0, err
-    finally:
-        for s in idle:
-            s.close()
 
 
 def test_a_weak_secret_is_one_line(no_leftovers):

@@ -193,20 +193,3 @@ def test_a_trace_is_drawn_again_from_a_chosen_step(traced):
                              text=True, cwd=ROOT)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     assert f"the trace holds steps {first} to {first + 7}" in refused.stderr
-
-
-def test_each_node_traces_its_own_workers_beside_node_0s(tmp_path):
-    """Two nodes on one machine, both given --trace PATH.json: node 0 writes
-    its workers into PATH.json, node 1 its own into PATH.node1.json (a
-    shared file system, or one machine, would otherwise have them meet)."""
-    from conftest import finish, start_node
-    from multi_gpu.launcher import free_port
-    port, same = free_port(), ("--epochs", 2, "--trace", tmp_path / "t.json", "--trace-steps", 4)
-    nodes = [start_node(port, 1, *same), start_node(port, 0, *same)]
-    for node in nodes:
-        code, _, err = finish(node, timeout=300)
-        assert code == 0, err
-    for path, workers in (("t.json", {0, 1}), ("t.node1.json", {2, 3})):
-        document = json.loads((tmp_path / path).read_text())
-        assert set(spans(document)) == workers, path
-        assert (tmp_path / path).with_suffix(".png").stat().st_size > 10000

@@ -1,0 +1,182 @@
+"""Two launchers as two nodes of one run, on this machine: node 0's lobby
+before the run's node 1 comes (strangers, a node's odd messages, idle
+connections), then the run itself.  One run serves every test here: each
+looks at what the module's fixture saw at its own stage."""
+import json
+import socket
+import time
+
+import psutil
+import pytest
+import zmq
+
+from conftest import (SECRET, finish, leftover_workers, run_directories, start_node,
+                      wait_for)
+from multi_gpu.launcher import curve_keys, free_port
+
+# what a node holding the run's secret might send node 0's lobby: each gets an answer
+ODD_MESSAGES = (b'{"node_rank": 1e999, "options": {}}', b"\xff not json",
+                b'{"node_rank": "1", "options": []}', b'{"node_rank": 7, "options": {}}', b"[]",
+                b'{"node_rank": 1, "options": {"epochs": [1e999]}}')
+
+
+def lobby_client(context, port, secret=None):
+    """A zmq REQ socket to node 0's lobby: a node's with ``secret``, else a
+    stranger's, who speaks plain zmq."""
+    ask = context.socket(zmq.REQ)
+    ask.setsockopt(zmq.LINGER, 0)
+    if secret:
+        public, private = curve_keys(secret)
+        ask.curve_serverkey, ask.curve_publickey, ask.curve_secretkey = public, public, private
+    ask.connect(f"tcp://127.0.0.1:{port}")
+    return ask
+
+
+def answered_strangers(port):
+    """A stranger in plain zmq and one with another secret ask to join: the
+    ones of them answered within 3 s (none, if the lobby is shut to them)."""
+    context = zmq.Context()
+    try:
+        asks = {who: lobby_client(context, port, who)
+                for who in (None, "not the run's secret at all")}
+        poller = zmq.Poller()
+        for ask in asks.values():
+            ask.send(b'{"node_rank": 1, "options": {}}')
+            poller.register(ask, zmq.POLLIN)
+        answered = dict(poller.poll(3000))
+        return [who for who, ask in asks.items() if ask in answered]
+    finally:
+        context.destroy()
+
+
+def answers_to_odd_messages(port, secret):
+    """{message: the lobby's answer, or None where none came within 30 s}"""
+    context = zmq.Context()
+    try:
+        answers = {}
+        for message in ODD_MESSAGES:
+            ask = lobby_client(context, port, secret)
+            ask.send(message)
+            answers[message] = ask.recv_json() if ask.poll(30000) else None
+            ask.close()
+        return answers
+    finally:
+        context.destroy()
+
+
+def swell(launcher, port):
+    """1100 connections that never speak, and 200 MB sent by a stranger:
+    (the open connections, node 0's launcher's growth in bytes)."""
+    size = launcher.memory_info().rss
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(1100)]
+    with socket.create_connection(("127.0.0.1", port)) as big:
+        big.settimeout(20)
+        chunk = b"\x01" * (1 << 20)
+        try:
+            for _ in range(200):
+                big.sendall(chunk)
+        except OSError:
+            pass  # dropped by node 0: as it should
+    time.sleep(1)
+    return idle, launcher.memory_info().rss - size
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """The run's node 0 makes the run's secret and prints it; its lobby then
+    meets, in turn, strangers, a node's odd messages, nodes with another
+    secret or none, idle connections and a huge message; then node 1 joins,
+    given the printed secret, while the idle connections are still open, and
+    both train two epochs with --check, --json and --trace.  What was seen
+    at each stage, for the tests below."""
+    folder = tmp_path_factory.mktemp("two_nodes")
+    port = free_port()
+    same = ("--epochs", 2, "--check", "--timeout", 120, "--trace", folder / "t.json",
+            "--trace-steps", 4)  # every node runs the same options
+    node0 = start_node(port, 0, *same, "--json", folder / "run.json",
+                       env={"DUAL_MLP_SECRET": ""})
+    seen, before, idle = dict(folder=folder), run_directories(), []
+    try:
+        line = wait_for(lambda: next((l for l in iter(node0.stdout.readline, "")
+                                      if "the run's secret" in l), None), 60, "the secret")
+        seen["secret"] = secret = line.split("DUAL_MLP_SECRET=")[1].split()[0]
+        launcher = psutil.Process(node0.pid)
+        wait_for(lambda: any(c.laddr.port == port for c in launcher.net_connections("tcp")
+                             if c.status == psutil.CONN_LISTEN), 60, "the lobby to listen")
+        seen["answered_strangers"] = answered_strangers(port)
+        seen["answers"] = answers_to_odd_messages(port, secret)
+        seen["refused"] = []
+        for env in ({"DUAL_MLP_SECRET": "another secret, long enough"}, {"DUAL_MLP_SECRET": ""}):
+            stranger = start_node(port, 1, *same, env=env)
+            seen["refused"].append(finish(stranger, timeout=60))
+        idle, seen["growth"] = swell(launcher, port)
+        node1 = start_node(port, 1, *same, env={"DUAL_MLP_SECRET": secret})
+        seen["nodes"] = [finish(node, timeout=300) for node in (node0, node1)]
+    finally:
+        for s in idle:
+            s.close()
+    time.sleep(0.2)
+    seen["left"] = leftover_workers(), run_directories() - before
+    return seen
+
+
+def trained(seen):
+    """Both nodes trained to the end, and left no worker and no run folder."""
+    for code, _, err in seen["nodes"]:
+        assert code == 0, err
+    assert seen["left"] == ([], set())
+
+
+def test_only_a_node_holding_the_runs_secret_gets_in_and_a_stranger_learns_nothing(two_nodes):
+    """Node 0 makes the run's secret and prints it.  A stranger asking in
+    plain zmq, or with another secret, gets no answer at all (no option
+    value, no fingerprint, no coordinator address); a node started with
+    another secret, or none, is refused in one line; the node given the
+    printed secret joins, and both train."""
+    assert len(two_nodes["secret"]) >= 16 and two_nodes["secret"] != SECRET
+    assert two_nodes["answered_strangers"] == []
+    for (code, _, err), words in zip(two_nodes["refused"], (
+            "the handshake failed: this node does not hold the run's secret",
+            "node 1 needs the run's secret")):
+        assert code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+    trained(two_nodes)
+
+
+def test_the_lobby_answers_any_message_and_lets_the_real_node_in(two_nodes):
+    """Messages a node holding the run's secret could send to node 0's lobby
+    each get an answer; the door stays open, and the run's own node 1 joins
+    after them."""
+    for message, answer in two_nodes["answers"].items():
+        assert answer is not None, f"no answer to {message!r}"
+        assert answer["why"], message
+    trained(two_nodes)
+
+
+def test_idle_strangers_and_a_huge_message_neither_keep_the_node_out_nor_swell_node_0(
+        two_nodes):
+    """1100 connections that never speak, and 200 MB sent by a stranger:
+    node 0's launcher stays within 100 MB of its size, and the run's node 1
+    joins while the connections are still open."""
+    assert two_nodes["growth"] < 100 << 20
+    trained(two_nodes)
+
+
+def test_two_launchers_as_two_nodes_train_identical_replicas(two_nodes):
+    trained(two_nodes)
+    summary = json.loads((two_nodes["folder"] / "run.json").read_text())
+    assert summary["workers"] == 4 and summary["nodes"] == 2
+    assert summary["max_replica_diff"] == 0.0
+    assert summary["steps_per_epoch"] == 3000 // 100 // 4
+    assert summary["validation_errors"][-1] < 0.35  # chance: 0.9
+
+
+def test_each_node_traces_its_own_workers_beside_node_0s(two_nodes):
+    """Two nodes on one machine, both given --trace PATH.json: node 0 writes
+    its workers into PATH.json, node 1 its own into PATH.node1.json (a
+    shared file system, or one machine, would otherwise have them meet)."""
+    from test_trace import spans
+    trained(two_nodes)
+    for path, workers in (("t.json", {0, 1}), ("t.node1.json", {2, 3})):
+        document = json.loads((two_nodes["folder"] / path).read_text())
+        assert set(spans(document)) == workers, path
+        assert (two_nodes["folder"] / path).with_suffix(".png").stat().st_size > 10000
