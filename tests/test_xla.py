@@ -28,15 +28,27 @@ def weights(tmp_path, name):
     return records.load_checkpoint(str(tmp_path / f"{name}.npz"), SHAPES)[0]
 
 
+THREE_BY_XLA = ("cpu", "cpu", "cpu", "--exchange", "xla", "--steps-per-call", 1)
+
+
 @pytest.fixture(scope="module")
 def three_by_xla(tmp_path_factory):
     """One run serves the tests below that look at three workers under
-    --exchange xla, two epochs, with --check (which only reads the weights):
-    (its summary, its output, its final weights)."""
+    --exchange xla, two epochs, one step a call, with --check (which only
+    reads the weights): (its summary, its output, its final weights, its
+    checkpoint)."""
     folder = tmp_path_factory.mktemp("three_by_xla")
-    summary, out = run(folder, "three", "cpu", "cpu", "cpu", "--exchange", "xla", "--epochs", 2,
-                       "--check")
+    summary, out = run(folder, "three", *THREE_BY_XLA, "--epochs", 2, "--check")
     return summary, out, weights(folder, "three"), folder / "three.npz"
+
+
+@pytest.fixture(scope="module")
+def three_by_p2p(tmp_path_factory):
+    """The 2014 exchange's run of three workers, two epochs, the default
+    --avg, with --check: (its summary, its output, its checkpoint)."""
+    folder = tmp_path_factory.mktemp("three_by_p2p")
+    summary, out = run(folder, "three", "cpu", "cpu", "cpu", "--epochs", 2, "--check")
+    return summary, out, folder / "three.npz"
 
 
 def test_three_workers_equal_two_at_the_same_total_batch(tmp_path, three_by_xla):
@@ -55,38 +67,43 @@ def test_three_workers_equal_two_at_the_same_total_batch(tmp_path, three_by_xla)
     assert out.stdout.count("epoch 1/2:") == 1  # only global rank 0 prints
 
 
-def test_three_workers_peer_to_peer_hold_the_xla_average(tmp_path, three_by_xla):
+def test_three_workers_peer_to_peer_hold_the_xla_average(tmp_path, three_by_xla, three_by_p2p):
     """The 2014 exchange for three: each worker publishes into its own mapped
     buffer, fetches all three, and takes their mean in rank order, under each
-    --avg; the replicas stay identical, and the weights are --exchange xla's
-    up to float reordering (NumPy and Numba here, XLA there): within 1e-6
-    absolute (measured: 1.5e-7 after 20 steps)."""
+    --avg (the default's: the module's run); the replicas stay identical, and
+    the weights are --exchange xla's up to float reordering (NumPy and Numba
+    here, XLA there): within 1e-6 absolute (measured: 1.5e-7 after 20 steps)."""
     xla, _, xla_weights, _ = three_by_xla
     for avg in ("theano", "pycuda", "cpu"):  # p2p: the default for CPUs of one machine
-        p2p, out = run(tmp_path, "p2p", "cpu", "cpu", "cpu", "--avg", avg, "--epochs", 2,
-                       "--check")
+        if avg == "pycuda":
+            p2p, out, checkpoint = three_by_p2p
+            assert p2p["config"]["avg"] == avg
+        else:
+            p2p, out = run(tmp_path, "p2p", "cpu", "cpu", "cpu", "--avg", avg, "--epochs", 2,
+                           "--check")
+            checkpoint = tmp_path / "p2p.npz"
         assert p2p["exchange"] == "p2p" and p2p["workers"] == 3 and p2p["sync"] == "host"
         assert p2p["max_replica_diff"] == 0.0
         assert "weights through host memory, ordered by the host" in out.stdout
-        for a, b in zip(weights(tmp_path, "p2p"), xla_weights):
+        for a, b in zip(records.load_checkpoint(str(checkpoint), SHAPES)[0], xla_weights):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(p2p["validation_errors"], xla["validation_errors"],
                                    atol=0.002)
 
 
-def test_several_steps_per_call_take_the_same_steps_as_one(tmp_path):
-    """10 steps an epoch in calls of 4, 4 and 2 against 10 calls of one: the
-    same minibatches in the same order, the same weights up to float
-    reordering inside XLA's loop (rtol 1e-5), and the step counter in the
-    compiled program counts every step once."""
-    xla = ("cpu", "cpu", "cpu", "--exchange", "xla", "--epochs", 2)
-    many, _ = run(tmp_path, "many", *xla, "--steps-per-call", 4, "--check")
-    one, _ = run(tmp_path, "one", *xla, "--steps-per-call", 1)
+def test_several_steps_per_call_take_the_same_steps_as_one(tmp_path, three_by_xla):
+    """10 steps an epoch in calls of 4, 4 and 2 against 10 calls of one (the
+    module's run): the same minibatches in the same order, the same weights
+    up to float reordering inside XLA's loop (rtol 1e-5), and the step
+    counter in the compiled program counts every step once."""
+    one, _, one_weights, _ = three_by_xla
+    many, _ = run(tmp_path, "many", "cpu", "cpu", "cpu", "--exchange", "xla", "--epochs", 2,
+                  "--steps-per-call", 4, "--check")
     assert many["steps_per_call"] == 4 and one["steps_per_call"] == 1
     for summary in (many, one):
         assert summary["exchange_steps"] == summary["epochs_run"] * summary["steps_per_epoch"] == 20
     assert many["max_replica_diff"] == 0.0
-    for a, b in zip(weights(tmp_path, "many"), weights(tmp_path, "one")):
+    for a, b in zip(weights(tmp_path, "many"), one_weights):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(many["validation_errors"], one["validation_errors"], atol=0.002)
 
@@ -172,14 +189,10 @@ def test_a_node_alone_reports_the_missing_nodes_within_the_timeout(no_leftovers,
 
 @pytest.mark.parametrize("exchange", ["xla", "p2p"])
 def test_resumed_three_worker_run_equals_an_uninterrupted_one(tmp_path, exchange, request):
-    """One epoch, then resumed to two, against two at once (under xla, the
-    module's run of two epochs: --check only reads the weights)."""
-    common = ("cpu", "cpu", "cpu", "--exchange", exchange)
-    if exchange == "xla":
-        full = request.getfixturevalue("three_by_xla")[3]
-    else:
-        run(tmp_path, "full", *common, "--epochs", 2)
-        full = tmp_path / "full.npz"
+    """One epoch, then resumed to two, against two at once (the module's run
+    of two epochs: --check only reads the weights)."""
+    common = THREE_BY_XLA if exchange == "xla" else ("cpu", "cpu", "cpu", "--exchange", exchange)
+    full = request.getfixturevalue(f"three_by_{exchange}")[-1]
     run(tmp_path, "half", *common, "--epochs", 1)
     _, out = run(tmp_path, "resumed", *common, "--epochs", 2, "--resume", tmp_path / "half.npz")
     assert "resumed from" in out.stdout and "epoch 1/2:" not in out.stdout
