@@ -83,6 +83,27 @@ def dual(*args, **kw):
     return script("dual_mlp.py", *args, **kw)
 
 
+def refused(capsys, *args):
+    """``dual_mlp.py args`` for a request its launcher refuses before it
+    starts anything, run by the script's own ``main()`` in this process (a
+    new interpreter for each of a test's many such requests would add only
+    its start, 0.8 s each); the signal handlers ``main`` sets are put back.
+    Returns CompletedProcess (the exit code, what it printed)."""
+    import dual_mlp
+    from multi_gpu import cli
+    handlers = {s: signal.getsignal(s) for s in (*cli.STOP_SIGNALS, signal.SIGPIPE)}
+    capsys.readouterr()
+    try:
+        code = dual_mlp.main([str(a) for a in args])
+    except SystemExit as e:  # argparse's errors
+        code = e.code
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["dual_mlp.py", *args], code, out, err)
+
+
 def start_dual(*args, env=None, cwd=ROOT, mine=True):
     """Start dual_mlp.py in its own process group, without waiting; ``mine``:
     as one of the tests' runs (else as a run of someone else's)."""

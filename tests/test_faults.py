@@ -10,8 +10,8 @@ import pytest
 
 from multi_gpu import files, records
 from conftest import (SHAPES, assert_identical_checkpoints, corrupt_cases, dual, finish,
-                      kill_one_worker, run_directories, start_checkpointing, start_dual,
-                      wait_for, wait_until_training, workers_of)
+                      kill_one_worker, refused, run_directories, start_checkpointing,
+                      start_dual, wait_for, wait_until_training, workers_of)
 from multi_gpu.launcher import usable_gpus
 
 
@@ -112,11 +112,12 @@ def bad_requests(tmp_path):
     yield ["cpu", "cpu", "--resume", tmp_path / "junk.npz"], "not a readable checkpoint"
 
 
-def test_bad_input_gets_one_line_exit_2_and_starts_nothing(tmp_path, no_leftovers):
+def test_bad_input_gets_one_line_exit_2_and_starts_nothing(tmp_path, no_leftovers, capsys):
+    """The first request by the script, as typed; the others by its main()."""
     if usable_gpus()[0]:
         pytest.skip("the no-GPU errors need a machine without a usable GPU (see test_gpu.py)")
-    for args, words in bad_requests(tmp_path):
-        out = dual(*args, timeout=60)
+    for i, (args, words) in enumerate(bad_requests(tmp_path)):
+        out = dual(*args, timeout=60) if i == 0 else refused(capsys, *args)
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2, (args, out.stderr)
         assert len(lines) == 1 and words in lines[0], (args, out.stderr)

@@ -21,8 +21,15 @@ def data():
 
 
 # Each op's NumPy code, no compiler: what the symbolic graph means, at no
-# compile cost (a cold Numba compile of a graph used only here took 8-13 s)
-PYTHON = pytensor.compile.mode.Mode(linker="py", optimizer="fast_compile")
+# compile cost (a cold Numba compile of a graph used only here took 8-13 s).
+# The default mode too, while it runs: an op made of a graph (the softmax's
+# OpFromGraph) compiles its inner graph in the default mode, Numba's.
+PYTHON = "FAST_COMPILE"
+
+
+def compiled_by(mode):
+    """The block's default mode: ``mode``'s, where it is PYTHON."""
+    return pytensor.config.change_flags(mode=mode) if mode == PYTHON else contextlib.nullcontext()
 
 
 def test_mlp_cost_gradient_matches_finite_differences(data):
@@ -32,7 +39,7 @@ def test_mlp_cost_gradient_matches_finite_differences(data):
     (train_x, train_y) = data[0]
     x_val = train_x.get_value()[:64].astype(np.float64)
     y_val = train_y.get_value()[:64]
-    with pytensor.config.change_flags(floatX="float64"):
+    with pytensor.config.change_flags(floatX="float64", mode=PYTHON):
         x, y = pt.matrix("x"), pt.ivector("y")
         model = mlp.MLP(np.random.RandomState(1), x, 784, 20, 10)
         # nonzero output weights, so that every term has a gradient
@@ -40,20 +47,20 @@ def test_mlp_cost_gradient_matches_finite_differences(data):
         cost = model.negative_log_likelihood(y) + 0.01 * model.L1 + 0.001 * model.L2_sqr
         grads = pytensor.grad(cost, model.params)
         f = pytensor.function([x, y], [cost] + grads, mode=PYTHON)
-    rng = np.random.RandomState(3)
-    _, *analytic = f(x_val, y_val)
-    start = [p.get_value() for p in model.params]
-    for _ in range(3):
-        # |w| has a kink at 0: keep the probe from crossing it
-        direction = [rng.normal(size=v.shape) * (np.abs(v) > 1e-3) for v in start]
-        eps, costs = 1e-6, []
-        for sign in (1, -1):
-            for p, v, d in zip(model.params, start, direction):
-                p.set_value(v + sign * eps * d)
-            costs.append(f(x_val, y_val)[0])
-        numeric = (costs[0] - costs[1]) / (2 * eps)
-        predicted = sum(float(np.sum(g * d)) for g, d in zip(analytic, direction))
-        assert abs(numeric - predicted) <= 1e-6 * max(1.0, abs(predicted))
+        rng = np.random.RandomState(3)
+        _, *analytic = f(x_val, y_val)
+        start = [p.get_value() for p in model.params]
+        for _ in range(3):
+            # |w| has a kink at 0: keep the probe from crossing it
+            direction = [rng.normal(size=v.shape) * (np.abs(v) > 1e-3) for v in start]
+            eps, costs = 1e-6, []
+            for sign in (1, -1):
+                for p, v, d in zip(model.params, start, direction):
+                    p.set_value(v + sign * eps * d)
+                costs.append(f(x_val, y_val)[0])
+            numeric = (costs[0] - costs[1]) / (2 * eps)
+            predicted = sum(float(np.sum(g * d)) for g, d in zip(analytic, direction))
+            assert abs(numeric - predicted) <= 1e-6 * max(1.0, abs(predicted))
     # and a wrong gradient would be caught: dropping the L2 term's gradient is
     assert abs(sum(float(np.sum(g * d)) for g, d in zip(analytic[1:], direction[1:]))
                - predicted) > 1e-6
@@ -68,35 +75,41 @@ def test_logistic_regression_compiles_and_learns(data, mode):
     clf = LogisticRegression(x, 784, 10)
     cost = clf.negative_log_likelihood(y)
     g_W, g_b = pytensor.grad(cost, [clf.W, clf.b])
-    train = pytensor.function([index], cost, mode=mode,
-                              updates=[(clf.W, clf.W - 0.13 * g_W), (clf.b, clf.b - 0.13 * g_b)],
-                              givens={x: minibatch(train_x, index, 100),
-                                      y: minibatch(train_y, index, 100)})
-    validate = pytensor.function([], clf.errors(y), mode=mode, givens={x: valid_x, y: valid_y})
-    assert float(validate()) > 0.8  # all-zero weights: one class for everything
-    first = float(train(0))
-    assert first == pytest.approx(np.log(10), rel=1e-5)  # uniform softmax over 10 classes
-    for i in range(30):
-        train(i)
-    assert float(validate()) < 0.25
+    with compiled_by(mode):
+        train = pytensor.function([index], cost, mode=mode,
+                                  updates=[(clf.W, clf.W - 0.13 * g_W),
+                                           (clf.b, clf.b - 0.13 * g_b)],
+                                  givens={x: minibatch(train_x, index, 100),
+                                          y: minibatch(train_y, index, 100)})
+        validate = pytensor.function([], clf.errors(y), mode=mode,
+                                     givens={x: valid_x, y: valid_y})
+        assert float(validate()) > 0.8  # all-zero weights: one class for everything
+        first = float(train(0))
+        assert first == pytest.approx(np.log(10), rel=1e-5)  # uniform softmax over 10 classes
+        for i in range(30):
+            train(i)
+        assert float(validate()) < 0.25
 
 
-def test_default_and_jax_backends_take_the_same_first_steps(data):
+def test_the_jax_backend_takes_each_ops_own_first_steps(data):
     """The first two steps (the first moves only the output layer, whose
-    weights start at zero; the second moves every parameter)."""
-    models = {mode: mlp.Model(data, 100, n_hidden=500, learning_rate=0.13, mode=mode)
-              for mode in (None, "JAX")}
-    for i in range(2):
-        costs = {mode: float(m.train_model(i)) for mode, m in models.items()}
-        assert costs[None] == pytest.approx(costs["JAX"], rel=1e-5)
-    before = mlp.Model(data, 100).get_params()
-    for p_default, p_jax, p0 in zip(models[None].get_params(), models["JAX"].get_params(),
-                                    before):
-        assert not np.array_equal(p_default, p0)
-        np.testing.assert_allclose(p_default, p_jax, rtol=1e-4, atol=1e-6)
-    for f in ("validate_model", "test_model"):  # float64 in one, float32 in the other
-        assert float(getattr(models[None], f)()) == pytest.approx(
-            float(getattr(models["JAX"], f)()), rel=1e-6)
+    weights start at zero; the second moves every parameter) of the JAX
+    backend, the CPU's default, are those of each op's own NumPy code (the
+    Numba backend's training: test_cpu_workers_compile_with_jax_and_keep_it_numba_one_flag_away)."""
+    with compiled_by(PYTHON):
+        models = {mode: mlp.Model(data, 100, n_hidden=500, learning_rate=0.13, mode=mode)
+                  for mode in (PYTHON, "JAX")}
+        for i in range(2):
+            costs = {mode: float(m.train_model(i)) for mode, m in models.items()}
+            assert costs[PYTHON] == pytest.approx(costs["JAX"], rel=1e-5)
+        before = mlp.Model(data, 100, mode=PYTHON).get_params()
+        for p_numpy, p_jax, p0 in zip(models[PYTHON].get_params(), models["JAX"].get_params(),
+                                      before):
+            assert not np.array_equal(p_numpy, p0)
+            np.testing.assert_allclose(p_numpy, p_jax, rtol=1e-4, atol=1e-6)
+        for f in ("validate_model", "test_model"):  # float64 in one, float32 in the other
+            assert float(getattr(models[PYTHON], f)()) == pytest.approx(
+                float(getattr(models["JAX"], f)()), rel=1e-6)
 
 
 def test_theano_flags_are_mapped_onto_pytensor_flags():

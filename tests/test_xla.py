@@ -12,8 +12,8 @@ import pytest
 
 from multi_gpu import records
 from conftest import (SHAPES, assert_identical_checkpoints, dual, finish, kill_one_worker,
-                      leftover_workers, run_directories, start_dual, start_node, wait_for,
-                      wait_until_training, workers_of)
+                      leftover_workers, refused, run_directories, start_dual, start_node,
+                      wait_for, wait_until_training, workers_of)
 from multi_gpu.launcher import free_port
 
 
@@ -199,7 +199,8 @@ def test_resumed_three_worker_run_equals_an_uninterrupted_one(tmp_path, exchange
     assert_identical_checkpoints(full, tmp_path / "resumed.npz", records.TRAINING_STATE)
 
 
-def test_bad_requests_for_many_workers_get_one_line_exit_2(tmp_path, no_leftovers):
+def test_bad_requests_for_many_workers_get_one_line_exit_2(tmp_path, no_leftovers, capsys):
+    """The first request by the script, as typed; the others by its main()."""
     cases = [
         (["cpu"], "give at least two devices"),
         (["cpu", "cpu", "--exchange", "p2p", "--nodes", "2", "--coordinator", "h:1"],
@@ -219,8 +220,8 @@ def test_bad_requests_for_many_workers_get_one_line_exit_2(tmp_path, no_leftover
         (["cpu", "cpu", "cpu", "--steps-per-call", "0"], "must be a positive integer"),
         (["cpu", "cpu", "cpu", "--steps-per-call", "4"], "the host-ordered 2014 loop"),
     ]
-    for args, words in cases:
-        out = dual(*args, timeout=60)
+    for i, (args, words) in enumerate(cases):
+        out = dual(*args, timeout=60) if i == 0 else refused(capsys, *args)
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2, (args, out.stderr)
         assert len(lines) == 1 and words in lines[0], (args, out.stderr)
