@@ -82,7 +82,7 @@ def tile(splits, folder, repeat):
     if len(valid[0]) != datasets.N_VALID:
         path = os.path.join(folder, "tiled.pkl.gz")
         datasets.write_pickle(((np.concatenate([tx] * repeat), np.concatenate([ty] * repeat)),
-                               valid, test), path)
+                               valid, test), path, compresslevel=1)
         return path, len(tx) * repeat
     as_bytes = lambda x: np.rint(x * 255).astype(np.uint8).reshape(-1, 28, 28)  # noqa: E731
     images = np.concatenate([as_bytes(tx)] * repeat + [as_bytes(valid[0])])
