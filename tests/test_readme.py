@@ -1,6 +1,7 @@
 """The READMEs are true: the Quick start prints what README.md shows, every
 command in them runs as typed from the repository's root, every results file
 they name is in git, and every table is what its results file generates."""
+import concurrent.futures
 import importlib
 import re
 import shlex
@@ -73,14 +74,17 @@ def test_every_python_command_in_the_readmes_runs_as_typed():
     abbreviations are accepted, so each is an option's full name)."""
     found = commands()
     assert len(found) > 20, found
+
+    def help_of(key):
+        return subprocess.run([sys.executable, *key, "--help"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+    keys = sorted({tuple(program(words)) for _, words in found})
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # a second each, of imports: at once
+        outs = dict(zip(keys, pool.map(help_of, keys)))
     helps = {}
-    for _, words in found:
-        key = tuple(program(words))
-        if key not in helps:
-            out = subprocess.run([sys.executable, *key, "--help"], cwd=ROOT, capture_output=True,
-                                 text=True, timeout=120)
-            assert out.returncode == 0, (key, out.stderr)
-            helps[key] = out.stdout
+    for key, out in outs.items():
+        assert out.returncode == 0, (key, out.stderr)
+        helps[key] = out.stdout
     for readme, words in found:
         key = tuple(program(words))
         for option in (w.split("=")[0] for w in words[1 + len(key):] if w.startswith("--")):
