@@ -8,7 +8,7 @@ import pytest
 
 import mlp
 from multi_gpu import datasets, records
-from conftest import SHAPES, assert_identical_checkpoints, dual
+from conftest import SHAPES, assert_identical_checkpoints, dual, refused
 
 LEARNING_RATE, L2, BATCH = 0.13, 0.0001, 100  # the demo's defaults on the shipped digits
 
@@ -94,16 +94,16 @@ def test_average_every_one_is_the_2014_demo_to_the_bit(tmp_path):
     assert "The replicas averaged" not in out.stdout  # the 2014 demo's lines, as they were
 
 
-def test_a_local_sgd_run_resumed_mid_way_ends_as_an_uninterrupted_one(tmp_path):
+def test_a_local_sgd_run_resumed_mid_way_ends_as_an_uninterrupted_one(tmp_path, capsys):
     common = ("cpu", "cpu", "--average-every", 4)
-    assert dual(*common, "--epochs", 3, "--save", tmp_path / "full.npz").returncode == 0
+    assert dual(*common, "--epochs", 2, "--save", tmp_path / "full.npz").returncode == 0
     assert dual(*common, "--epochs", 1, "--save", tmp_path / "half.npz").returncode == 0
-    out = dual(*common, "--epochs", 3, "--resume", tmp_path / "half.npz", "--save",
+    out = dual(*common, "--epochs", 2, "--resume", tmp_path / "half.npz", "--save",
                tmp_path / "resumed.npz")
     assert out.returncode == 0, out.stderr
     assert_identical_checkpoints(tmp_path / "full.npz", tmp_path / "resumed.npz")
     # another H is another training: refused, naming it
-    out = dual("cpu", "cpu", "--epochs", 3, "--resume", tmp_path / "half.npz")
+    out = refused(capsys, "cpu", "cpu", "--epochs", 2, "--resume", tmp_path / "half.npz")
     assert out.returncode == 2
     assert "--average-every 4 there, 1 here" in out.stderr, out.stderr
 
