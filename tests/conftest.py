@@ -87,17 +87,20 @@ def refused(capsys, *args):
     """``dual_mlp.py args`` for a request its launcher refuses before it
     starts anything, run by the script's own ``main()`` in this process (a
     new interpreter for each of a test's many such requests would add only
-    its start, 0.8 s each); the signal handlers ``main`` sets are put back.
-    Returns CompletedProcess (the exit code, what it printed)."""
+    its start, 0.8 s each); it goes by its name (``sys.argv``) as the script
+    does, and the signal handlers ``main`` sets are put back.  Returns
+    CompletedProcess (the exit code, what it printed)."""
     import dual_mlp
     from multi_gpu import cli
     handlers = {s: signal.getsignal(s) for s in (*cli.STOP_SIGNALS, signal.SIGPIPE)}
+    argv, sys.argv = sys.argv, [str(ROOT / "dual_mlp.py"), *map(str, args)]
     capsys.readouterr()
     try:
-        code = dual_mlp.main([str(a) for a in args])
+        code = dual_mlp.main(sys.argv[1:])
     except SystemExit as e:  # argparse's errors
         code = e.code
     finally:
+        sys.argv = argv
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     out, err = capsys.readouterr()

@@ -15,7 +15,7 @@ import pytest
 
 import mlp
 from multi_gpu import cli, records
-from conftest import (LAUNCHERS, SHAPES, ROOT, dual, environment, finish, script,
+from conftest import (LAUNCHERS, SHAPES, ROOT, dual, environment, finish, refused, script,
                       start_checkpointing)
 
 
@@ -52,12 +52,17 @@ def one_line_error(out, *words):
         assert w in lines[0], out.stderr
 
 
-def test_output_paths_are_checked_before_any_training(tmp_path, read_only, no_leftovers):
+def test_output_paths_are_checked_before_any_training(tmp_path, read_only, no_leftovers,
+                                                      capsys):
+    """dual_mlp.py's first request as typed, its others by its main()."""
+    one_line_error(dual("cpu", "cpu", "--json", tmp_path), "argument --json:", "is a folder")
+    one_line_error(refused(capsys, "cpu", "cpu", "--save", tmp_path), "argument --save:",
+                   "is a folder")
     for option in ("--json", "--save"):
-        one_line_error(dual("cpu", "cpu", option, tmp_path), f"argument {option}:", "is a folder")
-        one_line_error(dual("cpu", "cpu", option, read_only / "x"),
+        one_line_error(refused(capsys, "cpu", "cpu", option, read_only / "x"),
                        f"cannot write into {read_only}")
-        one_line_error(dual("cpu", "cpu", option, tmp_path / "none" / "x"), "does not exist")
+        one_line_error(refused(capsys, "cpu", "cpu", option, tmp_path / "none" / "x"),
+                       "does not exist")
     one_line_error(script("mlp.py", "--epochs", 1, "--save", "/nonexistent/dir/m.npz"),
                    "argument --save:", "folder /nonexistent/dir does not exist")
     one_line_error(script("mlp.py", "--json", read_only / "m.json"), "cannot write into")

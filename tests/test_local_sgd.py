@@ -112,8 +112,8 @@ def test_a_local_sgd_run_resumed_mid_way_ends_as_an_uninterrupted_one(tmp_path, 
                                        ("-3", "must be a positive integer, got -3"),
                                        ("two", "not a number: two"),
                                        ("1.5", "not a number: 1.5")])
-def test_a_bad_average_every_is_one_line(value, why):
-    out = dual("--average-every", value)
+def test_a_bad_average_every_is_one_line(value, why, capsys):
+    out = refused(capsys, "--average-every", value)  # by main(), in this process
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         f"dual_mlp.py: error: argument --average-every: {why} (see --help)"]

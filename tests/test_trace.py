@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import ROOT, dual
+from conftest import ROOT, dual, refused
 
 HOST_PHASES = ["train", "publish", "signal", "copy", "signal", "average"]
 
@@ -119,10 +119,12 @@ def test_under_the_xla_exchange_the_host_runs_ahead_of_the_device(tmp_path):
     (["--trace", "{data}"], "is --dataset's file: an output never overwrites an input"),
 ])
 def test_a_bad_trace_request_is_one_line_before_anything_starts(tmp_path, args, words,
-                                                                 no_leftovers):
+                                                                 no_leftovers, capsys):
+    """By the script's main(), in this process (as typed: test_faults.py's
+    test_bad_input_gets_one_line_exit_2_and_starts_nothing)."""
     from multi_gpu import datasets
     args = [str(a).format(tmp=tmp_path, data=datasets.SHIPPED) for a in args]
-    out = dual("cpu", "cpu", "--epochs", 2, *args, timeout=60)
+    out = refused(capsys, "cpu", "cpu", "--epochs", 2, *args)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and words in lines[0], out.stderr
     assert "training" not in out.stdout
