@@ -598,7 +598,7 @@ def worker(args, rank, world, dev, rundir, watchdog):
         data = load_data(args.dataset, put=device.put)  # resident on the device
         with cli.heartbeat(report.compiling("the model", device.mode, device.name), say):
             model = mlp.Model(data, args.batch_size, args.n_hidden, args.learning_rate, args.l1,
-                              args.l2, args.seed, mode=device.mode)
+                              args.l2, args.seed, mode=device.mode, evaluates=rank == 0)
             progress = records.Progress(model.get_params())
             if args.resume:
                 current, progress = records.Progress.resume(args.resume_copy,  # as checked

@@ -92,7 +92,8 @@ class Model:
     * ``train_model(i)``: one SGD step on minibatch ``i``, returns the cost
       ``NLL + L1_reg * L1 + L2_reg * L2_sqr``;
     * ``validate_model()``, ``test_model()``: error rate on the whole
-      validation or test set;
+      validation or test set (None where the model ``evaluates`` nothing:
+      a worker that never validates compiles only its step);
     * ``gradient_model(i)``, compiled when first used: the same step
       without its update, returning the cost and the gradients, for a
       trainer that applies ``param - learning_rate * gradient`` itself
@@ -100,10 +101,11 @@ class Model:
     """
 
     def __init__(self, data, batch_size, n_hidden=500, learning_rate=0.01, L1_reg=0.0,
-                 L2_reg=0.0001, seed=1234, mode=None):
+                 L2_reg=0.0001, seed=1234, mode=None, evaluates=True):
         """
         :param data: the shared ``[(train_x, train_y), (valid_x, valid_y), (test_x, test_y)]``
         :param mode: PyTensor mode for every function (None: the flags' mode, "JAX": JAX)
+        :param evaluates: compile ``validate_model`` and ``test_model`` too
         """
         (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = data
         self.n_train_batches = train_x.get_value(borrow=True).shape[0] // batch_size
@@ -127,10 +129,12 @@ class Model:
                                              givens=givens)
         self.learning_rate = learning_rate
         self._gradients = dict(inputs=[index], outputs=[cost, *gparams], givens=givens, mode=mode)
-        self.validate_model = pytensor.function([], classifier.errors(y), mode=mode,
-                                                givens={x: valid_x, y: valid_y})
-        self.test_model = pytensor.function([], classifier.errors(y), mode=mode,
-                                            givens={x: test_x, y: test_y})
+        self.validate_model = self.test_model = None
+        if evaluates:
+            self.validate_model = pytensor.function([], classifier.errors(y), mode=mode,
+                                                    givens={x: valid_x, y: valid_y})
+            self.test_model = pytensor.function([], classifier.errors(y), mode=mode,
+                                                givens={x: test_x, y: test_y})
 
     @functools.cached_property
     def gradient_model(self):
@@ -154,10 +158,9 @@ class Model:
         saved = self.get_params()
         self.set_params(saved, put)
         self.train_model(0)
-        self.validate_model()
-        self.test_model()
-        for f in more:
-            f()
+        for f in (self.validate_model, self.test_model, *more):
+            if f is not None:
+                f()
         self.set_params(saved, put)
 
 
