@@ -359,9 +359,9 @@ def every_cpu_process_keeps_its_programs(jax):
     under ``--exchange xla`` on CPUs every worker but the first found nothing
     of its own and compiled all its programs again on every run (a
     two-worker run on two cores: 7.4 s, and 4.6 s once each keeps its own).
-    Here each CPU process writes its own, by
-    a wrapper around JAX's private writer; where that is not the writer
-    expected (another JAX), they compile as before."""
+    Here each CPU process writes its own, by a wrapper around JAX's private
+    writer; where that is not the writer expected (another JAX), they
+    compile as before."""
     import inspect
 
     from jax._src import compilation_cache, compiler, distributed

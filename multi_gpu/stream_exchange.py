@@ -91,9 +91,9 @@ memory (``trace``; a fence, then the step number, so that the host never
 reads half a stamp): when it began, when its weights were published, when
 its own flag was stored and when every worker's was seen (naming the worker
 seen last), when the mean was written: the trace's ``publish``, ``signal``,
-``waiting for worker k`` and ``copy + average`` (``reduce`` above).  ``read_clock`` measures how that
-clock stands to the host's.  Without ``--trace`` the kernel pays one test of
-a null pointer.
+``waiting for worker k`` and ``copy + average`` (``reduce`` above).
+``read_clock`` measures how that clock stands to the host's.  Without
+``--trace`` the kernel pays one test of a null pointer.
 
 One worker alone (``loopback``, ``bench/step_cost.py``) runs every phase on
 its own buffers: the exchange's own cost, on one GPU.

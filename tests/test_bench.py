@@ -221,8 +221,8 @@ def test_step_cost_cpu_times_the_plain_written_out_and_both_ordered_steps_and_co
     dual_mlp.GpuOrdered and XlaOrdered, their figures and the once-a-step
     counts are what is tested, at one K that holds the local SGD's interval
     of 4 (the CPU's defaults are 1, 10 and 12: the same code at other K)."""
-    ks = (4,)
-    out = script("bench.step_cost", "--cpu", "--steps-per-call", *ks, "--rounds", 3, "--out",
+    k = 4
+    out = script("bench.step_cost", "--cpu", "--steps-per-call", k, "--rounds", 3, "--out",
                  tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / "step_cost_cpu.json").read_text())
@@ -230,21 +230,20 @@ def test_step_cost_cpu_times_the_plain_written_out_and_both_ordered_steps_and_co
     seen = {(f["system"], f["steps_per_call"]): f for f in result["figures"]}
     ordered_systems = ("GPU-ordered step, loopback", "--exchange xla, a world of one")
     local = "GPU-ordered step, --average-every 4"  # at the K that are multiples of 4 only
-    assert set(seen) == {(s, k) for s in ("plain step", "plain step, written out",
-                                          *ordered_systems) for k in ks} | {(local, 4)}
-    for k in ks:
-        plain = seen["plain step", k]
-        for ordered in ordered_systems:
-            assert seen[ordered, k]["exchange_steps"] == seen[ordered, k]["steps_run"] >= 40
-        for other in (*(seen[s, k] for s in ordered_systems), seen["plain step, written out", k]):
-            assert other["over_plain"] == other["step_us"] / plain["step_us"]
-        assert plain["step_us"] > 0 and plain["host_us_per_step"] > 0
-    f = seen[local, 4]  # the exchange once every four steps
+    assert set(seen) == {(s, k) for s in ("plain step", "plain step, written out", local,
+                                          *ordered_systems)}
+    plain = seen["plain step", k]
+    for ordered in ordered_systems:
+        assert seen[ordered, k]["exchange_steps"] == seen[ordered, k]["steps_run"] >= 40
+    for other in (*(seen[s, k] for s in ordered_systems), seen["plain step, written out", k]):
+        assert other["over_plain"] == other["step_us"] / plain["step_us"]
+    assert plain["step_us"] > 0 and plain["host_us_per_step"] > 0
+    f = seen[local, k]  # the exchange once every four steps
     assert f["exchange_steps"] == f["averages_run"] == f["steps_run"] // 4 and f["steps_run"] >= 40
     for f in result["figures"]:  # each figure the median of its rounds, the systems in turn
         assert len(f["step_us_rounds"]) == result["rounds"] == 3
         assert f["step_us"] == sorted(f["step_us_rounds"])[1]
-    assert "| 100 | 4 |" in out.stdout
+    assert f"| 100 | {k} |" in out.stdout
 
 
 def test_gpu_checks_without_a_gpu_is_one_line_and_writes_nothing(tmp_path):

@@ -45,10 +45,11 @@ def three_by_xla(tmp_path_factory):
 @pytest.fixture(scope="module")
 def three_by_p2p(tmp_path_factory):
     """The 2014 exchange's run of three workers, two epochs, the default
-    --avg, with --check: (its summary, its output, its checkpoint)."""
+    --avg, with --check: (its summary, its output, its final weights, its
+    checkpoint), as ``three_by_xla``."""
     folder = tmp_path_factory.mktemp("three_by_p2p")
     summary, out = run(folder, "three", "cpu", "cpu", "cpu", "--epochs", 2, "--check")
-    return summary, out, folder / "three.npz"
+    return summary, out, weights(folder, "three"), folder / "three.npz"
 
 
 def test_three_workers_equal_two_at_the_same_total_batch(tmp_path, three_by_xla):
@@ -76,16 +77,16 @@ def test_three_workers_peer_to_peer_hold_the_xla_average(tmp_path, three_by_xla,
     xla, _, xla_weights, _ = three_by_xla
     for avg in ("theano", "pycuda", "cpu"):  # p2p: the default for CPUs of one machine
         if avg == "pycuda":
-            p2p, out, checkpoint = three_by_p2p
+            p2p, out, p2p_weights, _ = three_by_p2p
             assert p2p["config"]["avg"] == avg
         else:
             p2p, out = run(tmp_path, "p2p", "cpu", "cpu", "cpu", "--avg", avg, "--epochs", 2,
                            "--check")
-            checkpoint = tmp_path / "p2p.npz"
+            p2p_weights = weights(tmp_path, "p2p")
         assert p2p["exchange"] == "p2p" and p2p["workers"] == 3 and p2p["sync"] == "host"
         assert p2p["max_replica_diff"] == 0.0
         assert "weights through host memory, ordered by the host" in out.stdout
-        for a, b in zip(records.load_checkpoint(str(checkpoint), SHAPES)[0], xla_weights):
+        for a, b in zip(p2p_weights, xla_weights):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(p2p["validation_errors"], xla["validation_errors"],
                                    atol=0.002)
