@@ -83,20 +83,21 @@ def dual(*args, **kw):
     return script("dual_mlp.py", *args, **kw)
 
 
-def refused(capsys, *args):
-    """``dual_mlp.py args`` for a request its launcher refuses before it
-    starts anything, run by the script's own ``main()`` in this process (a
-    new interpreter for each of a test's many such requests would add only
-    its start, 0.8 s each); it goes by its name (``sys.argv``) as the script
-    does, and the signal handlers ``main`` sets are put back.  Returns
-    CompletedProcess (the exit code, what it printed)."""
-    import dual_mlp
+def refused(capsys, *args, name="dual_mlp.py"):
+    """``dual_mlp.py args`` (or another script's, ``name``) for a request it
+    refuses before it starts anything, run by the script's own ``main()`` in
+    this process (a new interpreter for each of a test's many such requests
+    would add only its start, 0.8 s each); it goes by its name
+    (``sys.argv``) as the script does, and the signal handlers ``main`` sets
+    are put back.  Returns CompletedProcess (the exit code, what it printed)."""
+    import importlib
     from multi_gpu import cli
+    main = importlib.import_module(name.removesuffix(".py")).main
     handlers = {s: signal.getsignal(s) for s in (*cli.STOP_SIGNALS, signal.SIGPIPE)}
-    argv, sys.argv = sys.argv, [str(ROOT / "dual_mlp.py"), *map(str, args)]
+    argv, sys.argv = sys.argv, [str(ROOT / name), *map(str, args)]
     capsys.readouterr()
     try:
-        code = dual_mlp.main(sys.argv[1:])
+        code = main(sys.argv[1:])
     except SystemExit as e:  # argparse's errors
         code = e.code
     finally:
@@ -104,7 +105,7 @@ def refused(capsys, *args):
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(["dual_mlp.py", *args], code, out, err)
+    return subprocess.CompletedProcess([name, *args], code, out, err)
 
 
 def start_dual(*args, env=None, cwd=ROOT, mine=True):
@@ -231,6 +232,24 @@ def no_leftovers():
 
 
 # -- runs: wait for them, stop them
+
+ONE_EPOCH = pytest.mark.xdist_group("one_epoch_checkpoint")  # its tests, on one xdist worker
+
+
+@pytest.fixture(scope="session")
+def one_epoch_checkpoint(tmp_path_factory):
+    """Copies of one checkpoint of ``cpu cpu --epochs 1``, made once for the
+    tests (``ONE_EPOCH``) that only need one to resume from: each gets a copy
+    of its own to change, at the path it names."""
+    made = tmp_path_factory.mktemp("one_epoch") / "m.npz"
+    out = dual("cpu", "cpu", "--epochs", 1, "--save", made)
+    assert out.returncode == 0, out.stderr
+
+    def copy(path):
+        shutil.copyfile(made, path)
+        return path
+    return copy
+
 
 def wait_until_training(proc, timeout=120):
     """Read the launcher's output until worker 0 says it is training."""

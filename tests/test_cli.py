@@ -138,8 +138,10 @@ def test_bad_flags_are_refused_in_one_line_naming_the_flag(name):
     ("dual_mlp.py", "--learning-rate", "inf", "must be a positive, finite number"),
     ("dual_mlp.py", "--timeout", "-5", "must be a number of seconds above 0, at most 1e6"),
 ])
-def test_bad_numbers_are_refused_in_one_line(name, option, value, words):
-    one_line_error(script(name, option, value, timeout=60), f"argument {option}: {words}")
+def test_bad_numbers_are_refused_in_one_line(name, option, value, words, capsys):
+    """By each script's main() in this process: argparse's checks (each
+    script's one-line error as typed: the tests below and beside)."""
+    one_line_error(refused(capsys, option, value, name=name), f"argument {option}: {words}")
 
 
 def test_a_batch_larger_than_the_data_is_refused_by_the_tutorial_scripts():

@@ -18,9 +18,10 @@ import pytest
 
 from multi_gpu import datasets, records
 from conftest import splits as conftest_splits
-from conftest import (LAUNCHERS, ROOT, SHAPES, TOKEN, dual, finish, kill_one_worker,
-                      leftover_workers, run_directories, script, start_checkpointing,
-                      start_dual, start_node, wait_for, wait_until_training, workers_of)
+from conftest import (LAUNCHERS, ONE_EPOCH, ROOT, SHAPES, TOKEN, dual, finish,
+                      kill_one_worker, leftover_workers, run_directories, script,
+                      refused, start_checkpointing, start_dual, start_node, wait_for,
+                      wait_until_training, workers_of)
 from multi_gpu.launcher import free_port
 
 
@@ -41,22 +42,24 @@ def digest(path):
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
-def test_an_output_never_overwrites_an_input_or_another_output(tmp_path, no_leftovers):
+@ONE_EPOCH
+def test_an_output_never_overwrites_an_input_or_another_output(tmp_path, no_leftovers, capsys,
+                                                               one_epoch_checkpoint):
+    """The first request by the script, as typed; the others by its main()."""
     data = tmp_path / "D.pkl.gz"
     shutil.copy(datasets.SHIPPED, data)
     before = digest(data)
     (tmp_path / "link.pkl.gz").symlink_to(data)
-    out = dual("cpu", "cpu", "--epochs", 1, "--save", tmp_path / "c.npz")
-    assert out.returncode == 0, out.stderr
-    checkpoint = digest(tmp_path / "c.npz")
+    checkpoint = digest(one_epoch_checkpoint(tmp_path / "c.npz"))
     cases = [
         (["--dataset", data, "--save", data], "--save", "is --dataset's file"),
         (["--dataset", data, "--json", tmp_path / "link.pkl.gz"], "--json", "is --dataset's"),
         (["--save", tmp_path / "x", "--json", tmp_path / "x"], "--save and --json name one file"),
         (["--epochs", 2, "--resume", tmp_path / "c.npz", "--json", tmp_path / "c.npz"],
          "--json", "is --resume's file")]
-    for args, *words in cases:
-        one_line(dual("cpu", "cpu", *args, timeout=60), 2, *words)
+    for i, (args, *words) in enumerate(cases):
+        request = ("cpu", "cpu", *args)
+        one_line(dual(*request, timeout=60) if i == 0 else refused(capsys, *request), 2, *words)
     for option in ("--save", "--json"):
         one_line(script("mlp.py", "--dataset", data, option, tmp_path / "link.pkl.gz"), 2,
                  "an output never overwrites an input")
@@ -224,36 +227,39 @@ def test_a_diverging_run_stops_in_one_line_and_keeps_the_last_good_checkpoint(tm
     assert 2 <= state["epoch"] == diverged - 1 and all(np.isfinite(w).all() for w in current)
 
 
-def test_resuming_with_another_configuration_is_refused_naming_it(tmp_path, no_leftovers):
-    ckpt = tmp_path / "m.npz"
-    out = dual("cpu", "cpu", "--epochs", 1, "--save", ckpt)
-    assert out.returncode == 0, out.stderr
+@ONE_EPOCH
+def test_resuming_with_another_configuration_is_refused_naming_it(tmp_path, no_leftovers, capsys,
+                                                                 one_epoch_checkpoint):
+    """The first request by the script, as typed; the others by its main()."""
+    ckpt = one_epoch_checkpoint(tmp_path / "m.npz")
     other = tmp_path / "other.pkl.gz"
     (tx, ty), valid, test = datasets.read(datasets.SHIPPED)
     datasets.write_pickle(((tx[::-1].copy(), ty[::-1].copy()), valid, test), str(other))
-    for args, words in [(["cpu", "cpu", "--batch-size", 50], "--batch-size 100 there, 50 here"),
-                        (["cpu", "cpu", "cpu"], "workers in all 2 there, 3 here"),
-                        (["cpu", "cpu", "--dataset", other, "--batch-size", 100],
-                         "data set (fingerprint)"),
-                        (["cpu", "cpu", "--l2", 0.01], "--l2 0.0001 there, 0.01 here")]:
-        one_line(dual(*args, "--epochs", 2, "--resume", ckpt, timeout=60), 2,
-                 f"{ckpt} was trained otherwise: {words}")
+    for i, (args, words) in enumerate([
+            (["cpu", "cpu", "--batch-size", 50], "--batch-size 100 there, 50 here"),
+            (["cpu", "cpu", "cpu"], "workers in all 2 there, 3 here"),
+            (["cpu", "cpu", "--dataset", other, "--batch-size", 100], "data set (fingerprint)"),
+            (["cpu", "cpu", "--l2", 0.01], "--l2 0.0001 there, 0.01 here")]):
+        request = (*args, "--epochs", 2, "--resume", ckpt)
+        out = dual(*request, timeout=60) if i == 0 else refused(capsys, *request)
+        one_line(out, 2, f"{ckpt} was trained otherwise: {words}")
 
 
-def test_a_checkpoint_with_odd_entries_is_refused_in_one_line(tmp_path, no_leftovers):
+def test_a_checkpoint_with_odd_entries_is_refused_in_one_line(tmp_path, no_leftovers, capsys):
+    """The first request by the script, as typed; the others by its main()."""
     good = [np.zeros(s, np.float32) for s in SHAPES]
     nan = [w.copy() for w in good]
     nan[0][0, 0] = np.nan
     cases = [(dict(epoch=[1]), "epoch is a 1-d array"),
              (dict(validation_errors=0.1), "validation_errors is a 0-d array"),
              (dict(params=nan), "params_0 holds no finite weights")]
-    for change, words in cases:
+    for i, (change, words) in enumerate(cases):
         state = dict(epoch=1, best_validation_error=0.1, test_error=0.1, validation_errors=[0.1])
         params = change.pop("params", good)
         state.update(change)
         records.save_checkpoint(str(tmp_path / "odd.npz"), params, good, **state)
-        one_line(dual("cpu", "cpu", "--epochs", 3, "--resume", tmp_path / "odd.npz",
-                      timeout=60), 2, words)
+        request = ("cpu", "cpu", "--epochs", 3, "--resume", tmp_path / "odd.npz")
+        one_line(dual(*request, timeout=60) if i == 0 else refused(capsys, *request), 2, words)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
@@ -470,10 +476,11 @@ def test_a_disk_that_fills_mid_run_is_a_failure_naming_the_file(tmp_path, name, 
         assert words.format(disk=disk) in line, out.stderr
 
 
-def test_a_checkpoint_holds_exactly_what_the_demo_writes(tmp_path, no_leftovers):
+def test_a_checkpoint_holds_exactly_what_the_demo_writes(tmp_path, no_leftovers, capsys):
     """An extra array, a member that is not an array, a config that is not
     a JSON object or lacks a field, a zip that declares more than a
-    checkpoint holds: one line each, before any worker starts."""
+    checkpoint holds: one line each, before any worker starts (the first
+    request by the script, as typed; the others by its main())."""
     import zipfile
     good = [np.zeros(s, np.float32) for s in SHAPES]
     state = dict(epoch=1, best_validation_error=0.1, test_error=0.1, validation_errors=[0.1])
@@ -500,20 +507,20 @@ def test_a_checkpoint_holds_exactly_what_the_demo_writes(tmp_path, no_leftovers)
              (lambda: save(config=[1, 2]), "its config is not a JSON object"),
              (lambda: lacking("learning_rate"), "its config has learning_rate = None"),
              (lambda: save(config=dict(config, n_hidden="500")), "its config has n_hidden = '500'")]
-    for write, words in cases:
+    for i, (write, words) in enumerate(cases):
         write()
-        one_line(dual("cpu", "cpu", "--epochs", 3, "--resume", path, timeout=60), 2, words)
+        request = ("cpu", "cpu", "--epochs", 3, "--resume", path)
+        one_line(dual(*request, timeout=60) if i == 0 else refused(capsys, *request), 2, words)
 
 
-def test_a_checkpoint_rewritten_as_the_run_starts_is_resumed_as_it_was_checked(tmp_path,
-                                                                                no_leftovers):
+@ONE_EPOCH
+def test_a_checkpoint_rewritten_as_the_run_starts_is_resumed_as_it_was_checked(
+        tmp_path, no_leftovers, one_epoch_checkpoint):
     """The launcher reads --resume once: whatever writes the file after its
     check (here, while the launcher is held stopped between that read and
     its workers' load), both workers resume the version that was checked,
     and the file is left as the writer left it."""
-    ckpt, after = tmp_path / "m.npz", tmp_path / "after.npz"
-    out = dual("cpu", "cpu", "--epochs", 1, "--save", ckpt)
-    assert out.returncode == 0, out.stderr
+    ckpt, after = one_epoch_checkpoint(tmp_path / "m.npz"), tmp_path / "after.npz"
     _, _, checked = records.load_checkpoint(str(ckpt), SHAPES, records.TRAINING_STATE)
     proc = start_dual("cpu", "cpu", "--epochs", 2, "--resume", ckpt, "--save", after,
                       env={"DUAL_MLP_FAULT": "launcher:spawned:stop"})

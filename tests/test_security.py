@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 from multi_gpu import datasets, files, records
-from conftest import (SECRET, SHAPES, dual, finish, leftover_workers, start_dual, wait_for,
-                      wait_until_training, workers_of)
+from conftest import (ONE_EPOCH, SECRET, SHAPES, dual, finish, leftover_workers, start_dual,
+                      wait_for, wait_until_training, workers_of)
 from multi_gpu.launcher import free_port
 
 NOBODY = 65534
@@ -206,12 +206,12 @@ def test_the_fingerprint_changes_with_any_byte_of_any_split():
     assert len(seen) == 7 and all(f.startswith("sha256:") for f in seen)
 
 
-def test_an_older_checkpoints_sampled_fingerprint_is_refused_in_one_line(tmp_path, no_leftovers):
+@ONE_EPOCH
+def test_an_older_checkpoints_sampled_fingerprint_is_refused_in_one_line(tmp_path, no_leftovers,
+                                                                        one_epoch_checkpoint):
     """A checkpoint of the 256-row fingerprint cannot be checked against a
     data set: it is refused in one line, not resumed on whatever is given."""
-    ckpt = tmp_path / "m.npz"
-    out = dual("cpu", "cpu", "--epochs", 1, "--save", ckpt)
-    assert out.returncode == 0, out.stderr
+    ckpt = one_epoch_checkpoint(tmp_path / "m.npz")
     params, best, state = records.load_checkpoint(str(ckpt), SHAPES, records.TRAINING_STATE)
     state["config"]["dataset"] = "9839d20ad9612422"  # as the older fingerprint looked
     records.save_checkpoint(str(ckpt), params, best, **state)
