@@ -1,6 +1,7 @@
 """Shared helpers: the tests run the real scripts as real processes."""
 import atexit
 import contextlib
+import fcntl
 import gzip
 import os
 import pickle
@@ -233,17 +234,18 @@ def no_leftovers():
 
 # -- runs: wait for them, stop them
 
-ONE_EPOCH = pytest.mark.xdist_group("one_epoch_checkpoint")  # its tests, on one xdist worker
-
-
 @pytest.fixture(scope="session")
-def one_epoch_checkpoint(tmp_path_factory):
+def one_epoch_checkpoint():
     """Copies of one checkpoint of ``cpu cpu --epochs 1``, made once for the
-    tests (``ONE_EPOCH``) that only need one to resume from: each gets a copy
-    of its own to change, at the path it names."""
-    made = tmp_path_factory.mktemp("one_epoch") / "m.npz"
-    out = dual("cpu", "cpu", "--epochs", 1, "--save", made)
-    assert out.returncode == 0, out.stderr
+    tests that only need one to resume from, whichever xdist worker asks
+    first (the other waits for its lock, then finds it made): each test gets
+    a copy of its own to change, at the path it names."""
+    made = Path(os.environ["DUAL_MLP_TESTS_CACHE"]) / "one-epoch.npz"
+    with open(made.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():  # --save puts it there whole, or not at all
+            out = dual("cpu", "cpu", "--epochs", 1, "--save", made)
+            assert out.returncode == 0, out.stderr
 
     def copy(path):
         shutil.copyfile(made, path)

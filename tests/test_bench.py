@@ -151,7 +151,6 @@ def mlp_curve(tmp_path_factory):
     return json.loads(path.read_text())["curve"]
 
 
-@pytest.mark.xdist_group("mlp_curve")
 @pytest.mark.parametrize("system,k", [("jax", 1), ("jax", 4), ("pytensor", 4)])
 def test_jax_reference_trains_the_tutorial_model_like_mlp_py(system, k, mlp_curve):
     """The reference's learning curve is mlp.py's: same weights, minibatches and

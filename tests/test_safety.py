@@ -18,7 +18,7 @@ import pytest
 
 from multi_gpu import datasets, records
 from conftest import splits as conftest_splits
-from conftest import (LAUNCHERS, ONE_EPOCH, ROOT, SHAPES, TOKEN, dual, finish,
+from conftest import (LAUNCHERS, ROOT, SHAPES, TOKEN, dual, finish,
                       kill_one_worker, leftover_workers, run_directories, script,
                       refused, start_checkpointing, start_dual, start_node, wait_for,
                       wait_until_training, workers_of)
@@ -42,7 +42,6 @@ def digest(path):
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
-@ONE_EPOCH
 def test_an_output_never_overwrites_an_input_or_another_output(tmp_path, no_leftovers, capsys,
                                                                one_epoch_checkpoint):
     """The first request by the script, as typed; the others by its main()."""
@@ -227,7 +226,6 @@ def test_a_diverging_run_stops_in_one_line_and_keeps_the_last_good_checkpoint(tm
     assert 2 <= state["epoch"] == diverged - 1 and all(np.isfinite(w).all() for w in current)
 
 
-@ONE_EPOCH
 def test_resuming_with_another_configuration_is_refused_naming_it(tmp_path, no_leftovers, capsys,
                                                                  one_epoch_checkpoint):
     """The first request by the script, as typed; the others by its main()."""
@@ -513,7 +511,6 @@ def test_a_checkpoint_holds_exactly_what_the_demo_writes(tmp_path, no_leftovers,
         one_line(dual(*request, timeout=60) if i == 0 else refused(capsys, *request), 2, words)
 
 
-@ONE_EPOCH
 def test_a_checkpoint_rewritten_as_the_run_starts_is_resumed_as_it_was_checked(
         tmp_path, no_leftovers, one_epoch_checkpoint):
     """The launcher reads --resume once: whatever writes the file after its

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from multi_gpu import datasets, files, records
-from conftest import (ONE_EPOCH, SECRET, SHAPES, dual, finish, leftover_workers, start_dual,
+from conftest import (SECRET, SHAPES, dual, finish, leftover_workers, start_dual,
                       wait_for, wait_until_training, workers_of)
 from multi_gpu.launcher import free_port
 
@@ -206,7 +206,6 @@ def test_the_fingerprint_changes_with_any_byte_of_any_split():
     assert len(seen) == 7 and all(f.startswith("sha256:") for f in seen)
 
 
-@ONE_EPOCH
 def test_an_older_checkpoints_sampled_fingerprint_is_refused_in_one_line(tmp_path, no_leftovers,
                                                                         one_epoch_checkpoint):
     """A checkpoint of the 256-row fingerprint cannot be checked against a

@@ -8,7 +8,6 @@ import pytest
 from conftest import ROOT, dual, refused
 
 HOST_PHASES = ["train", "publish", "signal", "copy", "signal", "average"]
-TRACED = pytest.mark.xdist_group("traced")  # the tests of the run below
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +30,6 @@ def spans(document):
     return {w: sorted(es, key=lambda e: e["ts"]) for w, es in by.items()}
 
 
-@TRACED
 def test_the_trace_is_trace_event_json_with_a_process_per_worker(traced):
     folder, document, out = traced
     assert {e["ph"] for e in document["traceEvents"]} == {"M", "X"}
@@ -45,7 +43,6 @@ def test_the_trace_is_trace_event_json_with_a_process_per_worker(traced):
     assert f"the timeline of steps from epoch 2 is in {folder / 'run.json'}" in out.stdout
 
 
-@TRACED
 def test_every_worker_has_every_phase_of_every_traced_step_in_order(traced):
     _, document, _ = traced
     steps_per_epoch = json.loads((traced[0] / "summary.json").read_text())["steps_per_epoch"]
@@ -62,7 +59,6 @@ def test_every_worker_has_every_phase_of_every_traced_step_in_order(traced):
         assert moved and all(n == moved[0] > 1_000_000 for n in moved)
 
 
-@TRACED
 def test_no_worker_leaves_a_barrier_before_the_last_one_arrived(traced):
     """On the machine's one clock: at each signal of each step, every
     worker's leaving comes after every worker's arriving (its wait for a
@@ -87,7 +83,6 @@ def test_no_worker_leaves_a_barrier_before_the_last_one_arrived(traced):
     assert waited
 
 
-@TRACED
 def test_the_waits_name_a_worker_that_arrived_later(traced):
     for worker, events in spans(traced[1]).items():
         for e in events:
@@ -182,7 +177,6 @@ def test_the_kernels_stamps_go_onto_the_hosts_clock_as_phases_in_order():
     assert round(tracer.about["device_clock_drift_ppm"]) == 1000
 
 
-@TRACED
 def test_a_trace_is_drawn_again_from_a_chosen_step(traced):
     """``python -m multi_gpu.trace PATH.json --first STEP``: the picture
     again, from that step; a step the trace does not hold is one line."""

@@ -14,8 +14,6 @@ from conftest import (SECRET, finish, leftover_workers, run_directories, start_n
                       wait_for)
 from multi_gpu.launcher import curve_keys, free_port
 
-pytestmark = pytest.mark.xdist_group("two_nodes")  # one run serves them all
-
 # what a node holding the run's secret might send node 0's lobby: each gets an answer
 ODD_MESSAGES = (b'{"node_rank": 1e999, "options": {}}', b"\xff not json",
                 b'{"node_rank": "1", "options": []}', b'{"node_rank": 7, "options": {}}', b"[]",

@@ -29,7 +29,6 @@ def weights(tmp_path, name):
 
 
 THREE_BY_XLA = ("cpu", "cpu", "cpu", "--exchange", "xla", "--steps-per-call", 1)
-THREE_WORKERS = pytest.mark.xdist_group("three_workers")  # the tests of the two runs below
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +52,6 @@ def three_by_p2p(tmp_path_factory):
     return summary, out, weights(folder, "three"), folder / "three.npz"
 
 
-@THREE_WORKERS
 def test_three_workers_equal_two_at_the_same_total_batch(tmp_path, three_by_xla):
     """Worker k of 3 at batch 100 trains on rows 300t+100k..; two workers at
     150 on rows 300t+150k..: the same 300 rows a step, so the same weights,
@@ -70,7 +68,6 @@ def test_three_workers_equal_two_at_the_same_total_batch(tmp_path, three_by_xla)
     assert out.stdout.count("epoch 1/2:") == 1  # only global rank 0 prints
 
 
-@THREE_WORKERS
 def test_three_workers_peer_to_peer_hold_the_xla_average(tmp_path, three_by_xla, three_by_p2p):
     """The 2014 exchange for three: each worker publishes into its own mapped
     buffer, fetches all three, and takes their mean in rank order, under each
@@ -95,7 +92,6 @@ def test_three_workers_peer_to_peer_hold_the_xla_average(tmp_path, three_by_xla,
                                    atol=0.002)
 
 
-@THREE_WORKERS
 def test_several_steps_per_call_take_the_same_steps_as_one(tmp_path, three_by_xla):
     """10 steps an epoch in calls of 4, 4 and 2 against 10 calls of one (the
     module's run): the same minibatches in the same order, the same weights
@@ -188,7 +184,6 @@ def test_a_node_alone_reports_the_missing_nodes_within_the_timeout(no_leftovers,
         assert "did not all meet at the coordinator" in last and "within 5 s" in last
 
 
-@THREE_WORKERS
 @pytest.mark.parametrize("exchange", ["xla", "p2p"])
 def test_resumed_three_worker_run_equals_an_uninterrupted_one(tmp_path, exchange, request):
     """One epoch, then resumed to two, against two at once (the module's run
