@@ -3,6 +3,7 @@ import atexit
 import contextlib
 import fcntl
 import gzip
+import json
 import os
 import pickle
 import shutil
@@ -234,21 +235,43 @@ def no_leftovers():
 
 # -- runs: wait for them, stop them
 
+def made_once(name, make):
+    """(a folder, what ``make(folder)`` returned there: JSON), made once for
+    the whole test run.  Each xdist worker sets up its own fixtures, and a
+    module's tests may be shared out between the two: the first to ask makes
+    it, holding the folder's lock, and the other waits for the lock and
+    reads what the first left."""
+    folder = Path(os.environ["DUAL_MLP_TESTS_CACHE"]) / "made-once" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        made = folder / ".made.json"
+        if not made.exists():  # or its maker failed: the test that asks again fails as it did
+            made.write_text(json.dumps(make(folder)))
+        return folder, json.loads(made.read_text())
+
+
+def run_once(name, *args):
+    """``dual_mlp.py args`` run once for the whole test run (``made_once``),
+    in the folder it returns, which ``args`` name as ``{folder}``; with what
+    it printed (CompletedProcess)."""
+    def make(folder):
+        out = dual(*(str(a).format(folder=folder) for a in args))
+        assert out.returncode == 0, out.stderr
+        return dict(stdout=out.stdout, stderr=out.stderr)
+    folder, printed = made_once(name, make)
+    return folder, subprocess.CompletedProcess(args, 0, printed["stdout"], printed["stderr"])
+
+
 @pytest.fixture(scope="session")
 def one_epoch_checkpoint():
     """Copies of one checkpoint of ``cpu cpu --epochs 1``, made once for the
-    tests that only need one to resume from, whichever xdist worker asks
-    first (the other waits for its lock, then finds it made): each test gets
-    a copy of its own to change, at the path it names."""
-    made = Path(os.environ["DUAL_MLP_TESTS_CACHE"]) / "one-epoch.npz"
-    with open(made.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not made.exists():  # --save puts it there whole, or not at all
-            out = dual("cpu", "cpu", "--epochs", 1, "--save", made)
-            assert out.returncode == 0, out.stderr
+    tests that only need one to resume from: each test gets a copy of its
+    own to change, at the path it names."""
+    folder, _ = run_once("one_epoch", "cpu", "cpu", "--epochs", 1, "--save", "{folder}/m.npz")
 
     def copy(path):
-        shutil.copyfile(made, path)
+        shutil.copyfile(folder / "m.npz", path)
         return path
     return copy
 

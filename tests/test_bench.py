@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import script
+from conftest import made_once, script
 from multi_gpu.datasets import SHIPPED
 
 
@@ -142,13 +142,15 @@ def test_accuracy_cpu_subset_records_curves_and_when_each_system_reached_the_tar
 
 
 @pytest.fixture(scope="module")
-def mlp_curve(tmp_path_factory):
-    """mlp.py's learning curve at batch 100, two epochs, once for the references."""
-    path = tmp_path_factory.mktemp("mlp_curve") / "m.json"
-    out = script("mlp.py", "--batch-size", 100, "--epochs", 2, "--learning-rate", 0.1, "--l2", 0,
-                 "--json", path)
-    assert out.returncode == 0, out.stderr
-    return json.loads(path.read_text())["curve"]
+def mlp_curve():
+    """mlp.py's learning curve at batch 100, two epochs, once for the references
+    (``made_once``)."""
+    def make(folder):
+        out = script("mlp.py", "--batch-size", 100, "--epochs", 2, "--learning-rate", 0.1,
+                     "--l2", 0, "--json", folder / "m.json")
+        assert out.returncode == 0, out.stderr
+        return json.loads((folder / "m.json").read_text())["curve"]
+    return made_once("mlp_curve", make)[1]
 
 
 @pytest.mark.parametrize("system,k", [("jax", 1), ("jax", 4), ("pytensor", 4)])

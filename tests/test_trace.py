@@ -5,19 +5,19 @@ import json
 
 import pytest
 
-from conftest import ROOT, dual, refused
+from conftest import ROOT, dual, refused, run_once
 
 HOST_PHASES = ["train", "publish", "signal", "copy", "signal", "average"]
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory):
+def traced():
     """One run of three CPU workers, traced for 8 steps of its second epoch
-    (the workers' summary beside it), serving the tests below."""
-    folder = tmp_path_factory.mktemp("traced")
-    out = dual("cpu", "cpu", "cpu", "--epochs", 3, "--trace", folder / "run.json",
-               "--trace-steps", 8, "--json", folder / "summary.json")
-    assert out.returncode == 0, out.stderr
+    (the workers' summary beside it), serving the tests below (made once:
+    ``run_once``)."""
+    folder, out = run_once("traced", "cpu", "cpu", "cpu", "--epochs", 3, "--trace",
+                           "{folder}/run.json", "--trace-steps", 8, "--json",
+                           "{folder}/summary.json")
     return folder, json.loads((folder / "run.json").read_text()), out
 
 

@@ -10,7 +10,7 @@ import psutil
 import pytest
 import zmq
 
-from conftest import (SECRET, finish, leftover_workers, run_directories, start_node,
+from conftest import (SECRET, finish, leftover_workers, made_once, run_directories, start_node,
                       wait_for)
 from multi_gpu.launcher import curve_keys, free_port
 
@@ -50,14 +50,14 @@ def answered_strangers(port):
 
 
 def answers_to_odd_messages(port, secret):
-    """{message: the lobby's answer, or None where none came within 30 s}"""
+    """[the lobby's answer to each of ODD_MESSAGES, or None where none came within 30 s]"""
     context = zmq.Context()
     try:
-        answers = {}
+        answers = []
         for message in ODD_MESSAGES:
             ask = lobby_client(context, port, secret)
             ask.send(message)
-            answers[message] = ask.recv_json() if ask.poll(30000) else None
+            answers.append(ask.recv_json() if ask.poll(30000) else None)
             ask.close()
         return answers
     finally:
@@ -82,20 +82,24 @@ def swell(launcher, port):
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
+def two_nodes():
     """The run's node 0 makes the run's secret and prints it; its lobby then
     meets, in turn, strangers, a node's odd messages, nodes with another
     secret or none, idle connections and a huge message; then node 1 joins,
     given the printed secret, while the idle connections are still open, and
     both train two epochs with --check, --json and --trace.  What was seen
-    at each stage, for the tests below."""
-    folder = tmp_path_factory.mktemp("two_nodes")
+    at each stage, for the tests below (made once: ``made_once``)."""
+    folder, seen = made_once("two_nodes", meet_and_train)
+    return dict(seen, folder=folder)
+
+
+def meet_and_train(folder):
     port = free_port()
     same = ("--epochs", 2, "--check", "--timeout", 120, "--trace", folder / "t.json",
             "--trace-steps", 4)  # every node runs the same options
     node0 = start_node(port, 0, *same, "--json", folder / "run.json",
                        env={"DUAL_MLP_SECRET": ""})
-    seen, before, idle = dict(folder=folder), run_directories(), []
+    seen, before, idle = {}, run_directories(), []
     try:
         line = wait_for(lambda: next((l for l in iter(node0.stdout.readline, "")
                                       if "the run's secret" in l), None), 60, "the secret")
@@ -116,7 +120,8 @@ def two_nodes(tmp_path_factory):
         for s in idle:
             s.close()
     time.sleep(0.2)
-    seen["left"] = leftover_workers(), run_directories() - before
+    seen["left"] = [[p.pid for p in leftover_workers()],
+                    sorted(map(str, run_directories() - before))]
     return seen
 
 
@@ -124,7 +129,7 @@ def trained(seen):
     """Both nodes trained to the end, and left no worker and no run folder."""
     for code, _, err in seen["nodes"]:
         assert code == 0, err
-    assert seen["left"] == ([], set())
+    assert seen["left"] == [[], []]
 
 
 def test_only_a_node_holding_the_runs_secret_gets_in_and_a_stranger_learns_nothing(two_nodes):
@@ -146,7 +151,7 @@ def test_the_lobby_answers_any_message_and_lets_the_real_node_in(two_nodes):
     """Messages a node holding the run's secret could send to node 0's lobby
     each get an answer; the door stays open, and the run's own node 1 joins
     after them."""
-    for message, answer in two_nodes["answers"].items():
+    for message, answer in zip(ODD_MESSAGES, two_nodes["answers"]):
         assert answer is not None, f"no answer to {message!r}"
         assert answer["why"], message
     trained(two_nodes)

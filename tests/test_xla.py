@@ -12,7 +12,7 @@ import pytest
 
 from multi_gpu import records
 from conftest import (SHAPES, assert_identical_checkpoints, dual, finish, kill_one_worker,
-                      leftover_workers, refused, run_directories, start_dual, start_node,
+                      leftover_workers, refused, run_directories, run_once, start_dual, start_node,
                       wait_for, wait_until_training, workers_of)
 from multi_gpu.launcher import free_port
 
@@ -31,25 +31,26 @@ def weights(tmp_path, name):
 THREE_BY_XLA = ("cpu", "cpu", "cpu", "--exchange", "xla", "--steps-per-call", 1)
 
 
-@pytest.fixture(scope="module")
-def three_by_xla(tmp_path_factory):
-    """One run serves the tests below that look at three workers under
-    --exchange xla, two epochs, one step a call, with --check (which only
-    reads the weights): (its summary, its output, its final weights, its
-    checkpoint)."""
-    folder = tmp_path_factory.mktemp("three_by_xla")
-    summary, out = run(folder, "three", *THREE_BY_XLA, "--epochs", 2, "--check")
-    return summary, out, weights(folder, "three"), folder / "three.npz"
+def two_epochs_of_three(name, *args):
+    """A run of three workers, two epochs, with --check (which only reads the
+    weights), made once for the tests below that look at it (``run_once``):
+    (its summary, its output, its final weights, its checkpoint)."""
+    folder, out = run_once(name, *args, "--epochs", 2, "--check", "--json", "{folder}/three.json",
+                           "--save", "{folder}/three.npz")
+    return json.loads((folder / "three.json").read_text()), out, weights(folder, "three"), \
+        folder / "three.npz"
 
 
 @pytest.fixture(scope="module")
-def three_by_p2p(tmp_path_factory):
-    """The 2014 exchange's run of three workers, two epochs, the default
-    --avg, with --check: (its summary, its output, its final weights, its
-    checkpoint), as ``three_by_xla``."""
-    folder = tmp_path_factory.mktemp("three_by_p2p")
-    summary, out = run(folder, "three", "cpu", "cpu", "cpu", "--epochs", 2, "--check")
-    return summary, out, weights(folder, "three"), folder / "three.npz"
+def three_by_xla():
+    """Under --exchange xla, one step a call."""
+    return two_epochs_of_three("three_by_xla", *THREE_BY_XLA)
+
+
+@pytest.fixture(scope="module")
+def three_by_p2p():
+    """The 2014 exchange's, under the default --avg."""
+    return two_epochs_of_three("three_by_p2p", "cpu", "cpu", "cpu")
 
 
 def test_three_workers_equal_two_at_the_same_total_batch(tmp_path, three_by_xla):
