@@ -85,13 +85,17 @@ def dual(*args, **kw):
     return script("dual_mlp.py", *args, **kw)
 
 
-def refused(capsys, *args, name="dual_mlp.py"):
+def refused(capsys, *args, name="dual_mlp.py", typed=False):
     """``dual_mlp.py args`` (or another script's, ``name``) for a request it
     refuses before it starts anything, run by the script's own ``main()`` in
     this process (a new interpreter for each of a test's many such requests
     would add only its start, 0.8 s each); it goes by its name
     (``sys.argv``) as the script does, and the signal handlers ``main`` sets
-    are put back.  Returns CompletedProcess (the exit code, what it printed)."""
+    are put back.  ``typed``: by the script as typed instead, a process of
+    its own (a family's first request: the way out the user sees).  Returns
+    CompletedProcess (the exit code, what it printed)."""
+    if typed:
+        return script(name, *args, timeout=60)
     import importlib
     from multi_gpu import cli
     main = importlib.import_module(name.removesuffix(".py")).main

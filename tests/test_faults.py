@@ -117,7 +117,7 @@ def test_bad_input_gets_one_line_exit_2_and_starts_nothing(tmp_path, no_leftover
     if usable_gpus()[0]:
         pytest.skip("the no-GPU errors need a machine without a usable GPU (see test_gpu.py)")
     for i, (args, words) in enumerate(bad_requests(tmp_path)):
-        out = dual(*args, timeout=60) if i == 0 else refused(capsys, *args)
+        out = refused(capsys, *args, typed=i == 0)
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2, (args, out.stderr)
         assert len(lines) == 1 and words in lines[0], (args, out.stderr)

@@ -57,8 +57,7 @@ def test_an_output_never_overwrites_an_input_or_another_output(tmp_path, no_left
         (["--epochs", 2, "--resume", tmp_path / "c.npz", "--json", tmp_path / "c.npz"],
          "--json", "is --resume's file")]
     for i, (args, *words) in enumerate(cases):
-        request = ("cpu", "cpu", *args)
-        one_line(dual(*request, timeout=60) if i == 0 else refused(capsys, *request), 2, *words)
+        one_line(refused(capsys, "cpu", "cpu", *args, typed=i == 0), 2, *words)
     for option in ("--save", "--json"):
         one_line(script("mlp.py", "--dataset", data, option, tmp_path / "link.pkl.gz"), 2,
                  "an output never overwrites an input")
@@ -238,9 +237,8 @@ def test_resuming_with_another_configuration_is_refused_naming_it(tmp_path, no_l
             (["cpu", "cpu", "cpu"], "workers in all 2 there, 3 here"),
             (["cpu", "cpu", "--dataset", other, "--batch-size", 100], "data set (fingerprint)"),
             (["cpu", "cpu", "--l2", 0.01], "--l2 0.0001 there, 0.01 here")]):
-        request = (*args, "--epochs", 2, "--resume", ckpt)
-        out = dual(*request, timeout=60) if i == 0 else refused(capsys, *request)
-        one_line(out, 2, f"{ckpt} was trained otherwise: {words}")
+        one_line(refused(capsys, *args, "--epochs", 2, "--resume", ckpt, typed=i == 0), 2,
+                 f"{ckpt} was trained otherwise: {words}")
 
 
 def test_a_checkpoint_with_odd_entries_is_refused_in_one_line(tmp_path, no_leftovers, capsys):
@@ -256,8 +254,8 @@ def test_a_checkpoint_with_odd_entries_is_refused_in_one_line(tmp_path, no_lefto
         params = change.pop("params", good)
         state.update(change)
         records.save_checkpoint(str(tmp_path / "odd.npz"), params, good, **state)
-        request = ("cpu", "cpu", "--epochs", 3, "--resume", tmp_path / "odd.npz")
-        one_line(dual(*request, timeout=60) if i == 0 else refused(capsys, *request), 2, words)
+        one_line(refused(capsys, "cpu", "cpu", "--epochs", 3, "--resume", tmp_path / "odd.npz",
+                         typed=i == 0), 2, words)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
@@ -507,8 +505,8 @@ def test_a_checkpoint_holds_exactly_what_the_demo_writes(tmp_path, no_leftovers,
              (lambda: save(config=dict(config, n_hidden="500")), "its config has n_hidden = '500'")]
     for i, (write, words) in enumerate(cases):
         write()
-        request = ("cpu", "cpu", "--epochs", 3, "--resume", path)
-        one_line(dual(*request, timeout=60) if i == 0 else refused(capsys, *request), 2, words)
+        one_line(refused(capsys, "cpu", "cpu", "--epochs", 3, "--resume", path, typed=i == 0), 2,
+                 words)
 
 
 def test_a_checkpoint_rewritten_as_the_run_starts_is_resumed_as_it_was_checked(

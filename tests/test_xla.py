@@ -219,7 +219,7 @@ def test_bad_requests_for_many_workers_get_one_line_exit_2(tmp_path, no_leftover
         (["cpu", "cpu", "cpu", "--steps-per-call", "4"], "the host-ordered 2014 loop"),
     ]
     for i, (args, words) in enumerate(cases):
-        out = dual(*args, timeout=60) if i == 0 else refused(capsys, *args)
+        out = refused(capsys, *args, typed=i == 0)
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2, (args, out.stderr)
         assert len(lines) == 1 and words in lines[0], (args, out.stderr)
