@@ -98,7 +98,7 @@ import zmq
 
 import mlp
 from logistic_sgd import load_data
-from multi_gpu import cli, datasets, devices, files, launcher, records, report, trace
+from multi_gpu import cli, datasets, devices, files, launcher, nodes, records, report, trace
 from multi_gpu.devices import place, storage
 from multi_gpu.links import Layout, Peer, PeerError, XlaExchange
 from multi_gpu.trainer import (AHEAD, DeviceOrdered, StepClock, Trainer, averages_after,
@@ -591,7 +591,7 @@ def worker(args, rank, world, dev, rundir, watchdog):
     with ExitStack() as cleanup:
         # JAX's distributed runtime must start before anything else touches JAX
         xla = XlaExchange(args.jax_coordinator, world, rank, args.timeout, dev == "cpu",
-                          args.nodes == 1) \
+                          args.one_machine) \
             if args.exchange == "xla" else None
         device = devices.open_device(dev, jax_on_cpu=xla is not None)
         cleanup.callback(device.close)
@@ -611,6 +611,7 @@ def worker(args, rank, world, dev, rundir, watchdog):
                                    cleanup)
             cleanup.callback(trainer.close)
             trainer.start()
+            watchdog.follow(trainer, progress.epoch)
             tracer = args.trace and trace.Tracer(rank, (args.trace_from - 1 - progress.epoch) *
                                                  trainer.n_steps, args.trace_steps)
             if tracer:
@@ -676,23 +677,27 @@ def main(argv=None):
             rundir, folder_notice = launcher.run_folder(args, shapes)
             if args.exchange == "xla" and not args.jax_coordinator:  # one machine
                 args.jax_coordinator = launcher.private_coordinator(rundir)
+            link = nodes.Alone()
             if args.nodes > 1:  # the others prove they belong here: they hold the run's secret
-                secret, notice = launcher.run_secret(args)
+                secret, notice = nodes.run_secret(args)
                 notices.append(notice)
             if args.nodes > 1 and args.node_rank == 0:
-                run.enter_context(launcher.Lobby(args.coordinator, args.run_options, args.nodes,
-                                                 secret, args.jax_coordinator))
+                link = run.enter_context(nodes.Lobby(
+                    args.coordinator, functools.partial(launcher.differences, args.run_options,
+                                                        keys=launcher.RUN_OPTIONS),
+                    args.nodes, secret, args.jax_coordinator))
             elif args.nodes > 1:
-                args.jax_coordinator = launcher.enter_lobby(
-                    args.coordinator, args.node_rank, args.run_options, args.timeout, secret)
+                link = run.enter_context(nodes.Member(args.coordinator, args.node_rank,
+                                                      args.run_options, args.timeout, secret))
+                args.jax_coordinator = link.jax_coordinator
         except (launcher.UsageError, datasets.DatasetError, records.CheckpointError,
-                launcher.NoAnswer) as e:
+                nodes.NoAnswer) as e:
             cli.say(f"dual_mlp.py: error: {e}", file=sys.stderr)
-            return 1 if isinstance(e, launcher.NoAnswer) else 2
+            return 1 if isinstance(e, nodes.NoAnswer) else 2
         for notice in notices + [folder_notice] if args.node_rank == 0 else []:  # one node speaks
             if notice:
                 cli.say(notice, file=sys.stderr if notice.startswith("warning:") else sys.stdout)
-        code = launcher.launch(args, os.path.abspath(__file__), rundir)
+        code = launcher.supervise(args, shapes, os.path.abspath(__file__), rundir, link)
     if code == 0 and args.node_rank == 0:
         cli.say(f"total wall time {time.perf_counter() - started:.1f} s (start-up and compile "
                 "included)")
@@ -779,6 +784,10 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=cli.seconds, default=TIMEOUT,
                    help="seconds a worker waits for the others (to meet, or to finish a "
                         "step) before it reports them stalled (default: %(default)s)")
+    p.add_argument("--max-restarts", type=cli.non_negative_int, default=0, metavar="N",
+                   help="where a worker fails or is lost, stop them all and start them again "
+                        "from the last --save checkpoint (else from the start), at most N "
+                        "times, as torchrun's --max-restarts (default: %(default)s)")
     p.add_argument("--nodes", type=cli.positive_int, default=1,
                    help="machines taking part, each running this launcher with its own "
                         "devices, the same number on each (default: %(default)s)")

@@ -359,7 +359,7 @@ def nccl_worker(args):
 
 def run_allreduce(args):
     """Both sweeps, each in one process per worker; returns the rows by size."""
-    from multi_gpu.launcher import free_port
+    from multi_gpu.nodes import free_port
     gpus = args.allreduce or [str(i) for i in range(gpu_count())]
     n, shared = len(gpus), len(set(gpus)) < len(gpus)
     me = [sys.executable, "-m", "bench.exchange", "--max-mb", str(args.max_mb),

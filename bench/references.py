@@ -401,7 +401,7 @@ def ddp(args):
     processes over gloo, as PyTorch runs DDP without GPUs)."""
     import torch
     import torch.multiprocessing as mp
-    from multi_gpu.launcher import free_port
+    from multi_gpu.nodes import free_port
     world, port = (2 if CPU else torch.cuda.device_count()), free_port()
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(ddp_worker, args=(world, port, args, queue), nprocs=world)

@@ -120,7 +120,7 @@ def world_of_one(cpu):
     """``--exchange xla``'s runtime with this process its only worker (it
     must start before anything else touches JAX)."""
     from multi_gpu.links import XlaExchange
-    from multi_gpu.launcher import free_port
+    from multi_gpu.nodes import free_port
     return XlaExchange(f"127.0.0.1:{free_port()}", 1, 0, timeout=60, cpu=cpu, one_machine=True)
 
 

@@ -26,6 +26,10 @@ import time
 from multi_gpu import devices, files
 
 
+class UsageError(Exception):
+    """A request that cannot run; the launcher prints it on one line, exit 2."""
+
+
 def quit_quietly(signum, frame):
     """A signal during start-up (a tutorial script's whole run): one word, no
     traceback, and what ``on_quit`` was given undone first."""
@@ -142,6 +146,7 @@ seed = _number(int, lambda v: 0 <= v < 2 ** 32, "an integer from 0 to 2**32 - 1"
 positive = _number(float, lambda v: v > 0, "a positive, finite number")
 seconds = _number(float, lambda v: 0 < v <= 1e6, "a number of seconds above 0, at most 1e6")
 non_negative = _number(float, lambda v: v >= 0, "a finite number >= 0")
+non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 fraction = _number(float, lambda v: 0 < v < 1, "a number above 0 and below 1")
 
 

@@ -13,7 +13,6 @@ boundary.
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags, before PyTensor
 import collections
 import contextlib
-import hashlib
 import importlib.util
 import itertools
 import json
@@ -22,10 +21,9 @@ import os
 import re
 import resource
 import secrets
+import shlex
 import shutil
 import signal
-import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -35,13 +33,11 @@ import time
 import pytensor
 
 from multi_gpu import cli, datasets, devices, files, records
+from multi_gpu.cli import UsageError
+from multi_gpu.nodes import LOST_AFTER, check_port, free_port, host_and_port, on_loopback
 from multi_gpu.trainer import steps_per_epoch
-from multi_gpu.worker import (RUN_FOLDER_VARIABLE, fault_point, fault_spec_problem, request_stop,
-                              stopping)
-
-
-class UsageError(Exception):
-    """A request that cannot run; the launcher prints it on one line, exit 2."""
+from multi_gpu.worker import (FINISHED, RUN_FOLDER_VARIABLE, fault_point, fault_spec_problem,
+                              heartbeat_path, request_stop, stopping)
 
 
 def usable_gpus():
@@ -58,9 +54,12 @@ def usable_gpus():
         return 0, f"CUDA does not start ({e})"
 
 
-def choose_devices(requested):
-    if len(requested) == 1:
-        raise UsageError("give at least two devices (e.g. '0 1' or 'cpu cpu')")
+def choose_devices(requested, nodes=1):
+    """The devices of this node's workers; at least two workers in the whole
+    run (a machine of one GPU is one node of several: ``--nodes``)."""
+    if len(requested) * nodes == 1:
+        raise UsageError("give at least two devices (e.g. '0 1' or 'cpu cpu'), or one on "
+                         "each of several machines (--nodes)")
     for dev in requested:
         if dev != "cpu" and not dev.isdigit():
             raise UsageError(f"unknown device '{dev}': a device is a GPU index or 'cpu'")
@@ -88,19 +87,6 @@ def peer_access(a, b):
     """Can GPU a read GPU b's memory directly (NVLink or PCIe peer-to-peer)?"""
     import pycuda.driver as drv
     return a == b or drv.Device(a).can_access_peer(drv.Device(b))
-
-
-def free_port(host="127.0.0.1"):
-    """A port on ``host`` that nobody listens on now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def host_and_port(address):
-    """'HOST:PORT' -> (HOST, PORT as an int); None where it is not of that form."""
-    host, _, port = address.rpartition(":")
-    return (host, int(port)) if host and port.isdigit() and 0 < int(port) < 65536 else None
 
 
 def private_coordinator(rundir):
@@ -187,6 +173,9 @@ def check_nodes(args):
     elif args.nodes > 1:
         raise UsageError("--nodes > 1 needs --coordinator HOST:PORT: an address of node 0 "
                          "that every node can reach")
+    if args.max_restarts and args.nodes > 1:
+        raise UsageError("--max-restarts restarts the workers of one machine; a run of several "
+                         "stops, naming what failed, and says how to resume")
 
 
 # the options that shape the training: a checkpoint records them, and every
@@ -196,7 +185,7 @@ CONFIG_KINDS = dict(batch_size=int, learning_rate=(int, float), n_hidden=int, l1
                     l2=(int, float), average_every=int, workers=int, dataset=str)
 TRAINED_WITH = tuple(CONFIG_KINDS)
 RUN_OPTIONS = TRAINED_WITH + ("epochs", "seed", "exchange", "sync", "avg", "steps_per_call",
-                              "nodes", "local_workers", "resume_epoch")
+                              "nodes", "local_workers", "resume_epoch", "max_restarts", "check")
 
 
 def option_name(key):
@@ -255,6 +244,9 @@ def check_outputs(args):
     """No output overwrites an input or another output of this run.  Node
     R > 0 writes its workers' trace beside node 0's, PATH.nodeR.json: on one
     machine, or one shared file system, the nodes' traces do not meet."""
+    if args.node_rank and (args.save or args.json):
+        raise UsageError(f"{'--save' if args.save else '--json'}: node 0 keeps the run's "
+                         "checkpoint and summary; give it to node 0 only")
     if args.trace and args.node_rank:
         stem, ext = os.path.splitext(args.trace)
         args.trace = f"{stem}.node{args.node_rank}{ext}"
@@ -292,195 +284,6 @@ def check_trace(args, n_steps):
         return [f"notice: --trace-steps {args.trace_steps}: the run has {left} steps from "
                 f"epoch {epoch} on; it traces those"]
     return []
-
-
-def check_port(address):
-    """Refuse a HOST:PORT that this machine cannot listen on now (taken, or
-    not one of its addresses), before any worker starts."""
-    try:
-        with socket.socket() as s:
-            s.bind(host_and_port(address))
-    except OSError as e:
-        raise UsageError(f"cannot listen on {address} ({e.strerror.lower()}): another run "
-                         "there, or not this machine's address? see --coordinator") from None
-
-
-SECRET_VARIABLE = "DUAL_MLP_SECRET"  # the run's secret, for the nodes of a run of several
-SHORTEST_SECRET = 16                 # characters: fewer could be guessed
-
-
-def run_secret(args):
-    """The secret the nodes of a run on several machines share, and the
-    notice that tells it where node 0 made it: from ``--secret-file`` (a
-    file only this user can read, as ssh wants of a key), else from
-    ``DUAL_MLP_SECRET``, else, on node 0, a new one.  Never from the
-    command line, which every user of a machine can read."""
-    if args.secret_file:
-        try:
-            fd = os.open(args.secret_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError as e:
-            raise UsageError(f"--secret-file {args.secret_file}: {e.strerror.lower()}") from None
-        with os.fdopen(fd) as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-                raise UsageError(f"--secret-file {args.secret_file} must be a regular file of "
-                                 "yours that nobody else can read or write (chmod 600)")
-            secret = f.read(4096).strip()
-    else:
-        secret = os.environ.get(SECRET_VARIABLE, "").strip()
-    if secret:
-        if len(secret) < SHORTEST_SECRET:
-            raise UsageError(f"the run's secret is too short to keep strangers out: at least "
-                             f"{SHORTEST_SECRET} characters")
-        return secret, None
-    if args.node_rank != 0:
-        raise UsageError(f"node {args.node_rank} needs the run's secret: start it with "
-                         f"{SECRET_VARIABLE}=<the secret node 0 printed> or --secret-file FILE")
-    secret = secrets.token_urlsafe(24)
-    return secret, (f"the run's secret, which the other nodes must be given: {SECRET_VARIABLE}="
-                    f"{secret} (in their environment, or in a file of mode 600 named by "
-                    "--secret-file), never on a command line")
-
-
-def curve_keys(secret):
-    """The one CURVE key pair every node of a run derives from its secret:
-    (public, secret key), Z85.  ZeroMQ's CURVE handshake proves that each
-    side holds the secret key without sending it, then encrypts the rest."""
-    import zmq
-    from zmq.utils import z85
-    private = z85.encode(hashlib.sha256(b"dual_mlp lobby\0" + secret.encode()).digest())
-    return zmq.curve_public(private), private
-
-
-class OnlyTheRun:
-    """The lobby's ZAP policy: a client is let in only with the run's key."""
-
-    def __init__(self, public):
-        self.public = public
-
-    def callback(self, domain, key):
-        return key == self.public
-
-
-LOBBY_MESSAGE_LIMIT = 1 << 16  # bytes: a node's options fit many times over
-HANDSHAKE_MS = 5000            # a connection that has not proved itself by then is dropped
-
-
-class Lobby:
-    """Node 0's door to a run of several machines, at ``--coordinator``.
-
-    A node first proves it holds the run's secret: the lobby is a zmq
-    socket under ZeroMQ's CURVE security, its key pair and the only client
-    key it lets in derived from the secret (``curve_keys``), so a stranger's
-    handshake fails before a byte of a message is read, and the stranger
-    learns nothing.  Then the node shows its run options (``RUN_OPTIONS``,
-    with the data set's fingerprint) and its node rank, and is let in only
-    where the options are node 0's and the rank is free; it is then told
-    where JAX's coordinator listens (a port of node 0's own choosing).
-    Messages are bounded, a connection that does not finish its handshake
-    within seconds is dropped, and the door stays open for the run's nodes."""
-
-    def __init__(self, address, options, nodes, secret, jax_coordinator):
-        import zmq
-        import zmq.auth.thread
-        self.address, self.options, self.joined, self.nodes = address, options, {0}, nodes
-        self.jax_coordinator = jax_coordinator
-        check_port(address)
-        public, private = curve_keys(secret)
-        self.context = zmq.Context()
-        self.auth = zmq.auth.thread.ThreadAuthenticator(self.context)
-        self.auth.start()
-        self.auth.configure_curve_callback("*", OnlyTheRun(public))
-        self.socket = self.context.socket(zmq.REP)
-        self.socket.curve_secretkey, self.socket.curve_publickey = private, public
-        self.socket.curve_server = True
-        for option, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, LOBBY_MESSAGE_LIMIT),
-                              (zmq.HANDSHAKE_IVL, HANDSHAKE_MS)):
-            self.socket.setsockopt(option, value)
-        self.socket.bind(f"tcp://{address}")
-        self.open = True
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self):
-        while self.open:
-            if not self.socket.poll(100):
-                continue
-            message = self.socket.recv()
-            try:
-                why = self.judge(message)
-            except Exception:  # whatever a node sends is answered, and the door stays open
-                why = "not a dual_mlp.py node"
-            self.socket.send_json({"why": why, "jax_coordinator": None if why else
-                                   self.jax_coordinator})
-
-    def judge(self, message):
-        """Why a visitor may not join (None: it has joined)."""
-        visitor = json.loads(message)
-        rank, options = visitor["node_rank"], dict(visitor["options"])
-        if type(rank) is not int or not 0 < rank < self.nodes:
-            return f"node rank {str(rank)[:20]} is not one of 1..{self.nodes - 1}"
-        why = differences(self.options, options, RUN_OPTIONS)
-        if why:
-            return f"node 0 runs other options: {why}"
-        if rank in self.joined:
-            return (f"node {rank} of the run at {self.address} has joined already: is another "
-                    "run using this --coordinator?")
-        self.joined.add(rank)
-        return None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.open = False
-        self.thread.join()
-        self.socket.close()
-        self.auth.stop()
-        self.context.term()
-
-
-class NoAnswer(Exception):
-    """Node 0 never answered: a run that did not happen (the launcher exits 1)."""
-
-
-def enter_lobby(address, node_rank, options, timeout, secret):
-    """Node ``node_rank`` asks node 0's lobby at ``address`` to let it in
-    (``Lobby``); returns where JAX's coordinator listens."""
-    import zmq
-    import zmq.utils.monitor
-    public, private = curve_keys(secret)
-    context = zmq.Context()
-    socket = context.socket(zmq.REQ)
-    socket.curve_serverkey, socket.curve_publickey, socket.curve_secretkey = public, public, \
-        private
-    socket.setsockopt(zmq.LINGER, 0)
-    monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                                        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                        | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-    try:
-        socket.connect(f"tcp://{address}")
-        socket.send(json.dumps({"node_rank": node_rank, "options": options}).encode())
-        deadline = time.monotonic() + timeout
-        while not socket.poll(100):
-            if monitor.poll(0):
-                raise UsageError(f"refused by node 0 at {address}: the handshake failed: this "
-                                 "node does not hold the run's secret (give it the one node 0 "
-                                 f"printed, in {SECRET_VARIABLE} or --secret-file)")
-            if stopping.is_set():
-                raise UsageError("interrupted while waiting for node 0")
-            if time.monotonic() > deadline:
-                raise NoAnswer(f"node 0 did not answer at {address} within {timeout:g} s (is "
-                               "it started, and can this machine reach it? see --timeout)")
-        answer = json.loads(socket.recv())
-    finally:
-        socket.disable_monitor()
-        monitor.close()
-        socket.close()
-        context.term()
-    if answer["why"]:
-        raise UsageError(f"refused by node 0 at {address}: {answer['why']}")
-    return answer["jax_coordinator"]
 
 
 def check_steps_per_call(args, n_steps, default):
@@ -572,7 +375,7 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
                        "dual_mlp.py takes its devices as arguments (dual_mlp.py 0 1)")
     check_nodes(args)
     check_xla_flags()
-    args.devices, notice = choose_devices(args.devices)
+    args.devices, notice = choose_devices(args.devices, args.nodes)
     check_limits(len(args.devices))
     notices.append(notice)
     world, gpus = args.nodes * len(args.devices), args.devices[0] != "cpu"
@@ -607,17 +410,36 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
     args.local_workers = len(args.devices)
     args.run_options = {k: args.trained_with[k] if k in TRAINED_WITH else getattr(args, k)
                         for k in RUN_OPTIONS}
-    # JAX's coordinator: on one machine as given, else in the run folder
-    # (``private_coordinator``, once it is named); on several, on node 0 at a port
-    # of its own choosing, which the lobby tells only the run's nodes
-    args.jax_coordinator = args.coordinator if args.nodes == 1 else None
+    notices.append(place_coordinator(args))
+    return [n for n in notices if n]
+
+
+def place_coordinator(args):
+    """Where JAX's coordinator listens (``args.jax_coordinator``), and
+    whether every node is on this machine (``args.one_machine``: one node,
+    or nodes meeting on the loopback).  On one machine, a socket in node 0's
+    private run folder, which no other user can reach (set once the folder
+    is named: ``private_coordinator``), where a TCP port on the loopback
+    would be any local user's to connect to and end the run; across
+    machines, on node 0 at a port of its own choosing, which the lobby
+    tells only the run's nodes; on one node where --coordinator names an
+    address beyond the loopback, there.  Returns a notice."""
+    args.one_machine = args.nodes == 1 or on_loopback(args.coordinator)
+    args.jax_coordinator, notice = None, None
     if args.nodes > 1 and args.node_rank == 0:
         check_port(args.coordinator)
-        host = host_and_port(args.coordinator)[0]
-        args.jax_coordinator = f"{host}:{free_port(host)}"
+        if not args.one_machine:
+            host = host_and_port(args.coordinator)[0]
+            args.jax_coordinator = f"{host}:{free_port(host)}"
     elif args.coordinator and args.exchange == "xla" and args.nodes == 1:
         check_port(args.coordinator)
-    return [n for n in notices if n]
+        if on_loopback(args.coordinator):
+            notice = (f"notice: --coordinator {args.coordinator} is on the loopback, where any "
+                      "user of this machine could reach it: JAX's coordinator listens on a "
+                      "socket in the run's private folder instead")
+        else:
+            args.jax_coordinator = args.coordinator
+    return notice
 
 
 def worker_environment(dev, n_local, one_machine=True):
@@ -675,6 +497,18 @@ class Worker:
             if not Worker.quiet and self.SPOKEN.fullmatch(line.rstrip()):
                 cli.say(line, end="", file=sys.stderr)
             self.tail.append(line.rstrip())
+
+    def stalled(self, rundir, patience):
+        """Has its heartbeat (``worker.Watchdog``) been still for ``patience``
+        seconds, before it finished?  Never before its first beat."""
+        path = heartbeat_path(rundir, self.rank)
+        try:
+            if time.time() - os.stat(path).st_mtime < patience:
+                return False
+            with open(path) as f:
+                return not f.read(32).startswith(FINISHED)
+        except OSError:
+            return False
 
     def said_why(self):
         """Did it end with one of our own one-line errors?"""
@@ -759,11 +593,14 @@ def run_folder(args, shapes):
     return os.path.join(folder, name), notice
 
 
-def launch(args, script, rundir):
+def launch(args, script, rundir, link):
     """Start the workers (``script --worker INDEX LAUNCHER_PID``, the run
     folder's name in their environment), then make the run folder and leave
-    the request there, and wait; if one fails, stop the others at once.
-    Returns the exit code.
+    the request there, and watch them and the other nodes (``link``); if a
+    worker fails or stops running, or another node does, stop the others at
+    once.  Returns (the exit code, the traceback of a worker that failed
+    unexpectedly, what failed in one line: None where the run ended, or
+    said why itself).
 
     In that order, wherever this launcher dies (even by SIGKILL), a worker
     is there to remove the folder: each waits for the request only while
@@ -774,9 +611,10 @@ def launch(args, script, rundir):
     someone else's, and is left as it is."""
     cli.install_stop_handler(request_stop)
     workers, n_local, made = [], len(args.devices), False
+    Worker.quiet = False
     try:
         workers = [Worker(script, i, args.node_rank * n_local + i, dev, rundir, n_local,
-                          args.nodes == 1) for i, dev in enumerate(args.devices)]
+                          args.one_machine) for i, dev in enumerate(args.devices)]
         fault_point("launcher", "spawned")
         try:
             files.make_folder(rundir)
@@ -784,7 +622,7 @@ def launch(args, script, rundir):
             stop(workers)
             cli.say(f"error: the run folder {rundir} exists already, made by someone else: the "
                     "run stops and leaves it as it is", file=sys.stderr)
-            return 1
+            return 1, "", None
         made = True
         fault_point("launcher", "folder")
         request = os.path.join(rundir, "config.json")
@@ -800,39 +638,137 @@ def launch(args, script, rundir):
         except FileNotFoundError:
             cli.say(f"error: the run folder {rundir} was removed as the run started (a cleaner "
                     "of temporary files?)", file=sys.stderr)
-            return 1
+            return 1, "", None
         except OSError as e:
             if e.errno not in files.NO_ROOM:
                 raise
             cli.say(f"error: {files.no_room(e, rundir)}", file=sys.stderr)
-            return 1
+            return 1, "", None
+        patience = stall_patience(args.timeout)
         while not stopping.is_set():
             codes = [w.proc.poll() for w in workers]
             if all(code == 0 for code in codes):
-                return 0
+                link.tell("done")
+                return 0, "", None
             failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
-            if failed:
-                left = stop(workers)
-                # the cause first: a worker killed by a signal, then one that said what went
-                # wrong in our own words; the others' errors may only follow from theirs
-                failed.sort(key=lambda w: (w.proc.returncode > 0, not w.said_why()))
-                if any(w.proc.returncode == 128 + signal.SIGPIPE for w in failed):
-                    return 128 + signal.SIGPIPE  # stdout was closed: end as quietly
-                if all(w.proc.returncode in (130, 143) for w in failed):
-                    stopping.signum = failed[0].proc.returncode - 128  # Ctrl-C reached them first
-                    break
+            stalled = [w for w, code in zip(workers, codes)
+                       if code is None and w.stalled(rundir, patience)]
+            verdict = link.verdict()
+            if not (failed or stalled or verdict):
+                time.sleep(0.05)
+                continue
+            at = position(rundir, workers[0].rank)
+            left = stop(workers)
+            # the cause first: a worker killed by a signal, then one that said what went
+            # wrong in our own words; the others' errors may only follow from theirs
+            failed.sort(key=lambda w: (w.proc.returncode > 0, not w.said_why()))
+            if any(w.proc.returncode == 128 + signal.SIGPIPE for w in failed):
+                return 128 + signal.SIGPIPE, "", None  # stdout was closed: end as quietly
+            if failed and all(w.proc.returncode in (130, 143) for w in failed) and not verdict:
+                stopping.signum = failed[0].proc.returncode - 128  # Ctrl-C reached them first
+                break
+            if failed and not (verdict or stalled) and link.others and \
+                    failed[0].proc.returncode > 0 and not failed[0].said_why():
+                # a collective that broke under us: did another node fail or go first?
+                deadline = time.monotonic() + LOST_AFTER + 1
+                while not verdict and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    verdict = link.verdict()
+            trace = ""
+            if verdict:
+                why = verdict
+            elif stalled:
+                w = stalled[0]
+                why = f"worker {w.rank} (device {w.dev}) stopped: silent for {patience:g} s"
+            else:
                 w = failed[0]
                 trace, cause = w.cause()
-                cli.say(f"{trace}error: worker {w.rank} (device {w.dev}) failed: {cause}"
-                        f"{unkillable(left)}", file=sys.stderr)
-                return 1
-            time.sleep(0.05)
+                why = f"worker {w.rank} (device {w.dev}) failed: {cause}"
+            link.tell("failed", why)
+            return 1, trace, f"{why}{at}{unkillable(left)}"
         left = stop(workers)
+        link.tell("failed", f"interrupted ({signal.Signals(stopping.signum).name})")
         kept = f"; last checkpoint kept in {args.save}" if args.save and \
             os.path.exists(args.save) else ""
         cli.say(f"interrupted ({signal.Signals(stopping.signum).name}){kept}{unkillable(left)}",
                 file=sys.stderr)
-        return 128 + stopping.signum
+        return 128 + stopping.signum, "", None
     finally:
         if made:
             shutil.rmtree(rundir, ignore_errors=True)
+
+
+def stall_patience(timeout):
+    """Seconds a worker's heartbeat may stop before its launcher calls it
+    stopped (SIGSTOP, a frozen container): ``LOST_AFTER``; where --timeout
+    is shorter, a little more than it, so that the worker waiting for it
+    names it first."""
+    return LOST_AFTER if timeout >= LOST_AFTER else timeout + 3
+
+
+def position(rundir, rank):
+    """' at epoch E, step S': the step worker ``rank`` began last, by its
+    heartbeat (``worker.Watchdog``); empty before its first."""
+    try:
+        with open(heartbeat_path(rundir, rank)) as f:
+            epoch, step = map(int, f.read(64).split())
+    except (OSError, ValueError):
+        return ""
+    return f" at epoch {epoch}, step {step}" if epoch else ""
+
+
+def supervise(args, shapes, script, rundir, link):
+    """Run the workers (``launch``); where one fails or is lost, and
+    ``--max-restarts`` allows, start them all again from the run's last
+    checkpoint, saying so in one line each time.  Where the run fails for
+    good, its last line says what failed, where, and how to resume.
+    Returns the exit code."""
+    for restart in range(1, args.max_restarts + 2):
+        code, trace, why = launch(args, script, rundir, link)
+        if why is None or restart > args.max_restarts:
+            break
+        try:
+            resumed = restart_point(args, shapes)
+        except (UsageError, records.CheckpointError) as e:
+            why += f"; no restart: {e}"
+            break
+        cli.say(f"{why}: restarting every worker {resumed} (restart {restart} of "
+                f"{args.max_restarts})", file=sys.stderr)
+        old, (rundir, _) = rundir, run_folder(args, shapes)
+        if args.jax_coordinator == private_coordinator(old):
+            args.jax_coordinator = private_coordinator(rundir)
+    if why is not None:
+        cli.say(f"{trace}error: {why}{resume_hint(args, shapes)}", file=sys.stderr)
+    return code
+
+
+def restart_point(args, shapes):
+    """Make the request resume where a restart starts: from the run's last
+    checkpoint (--save) once there is one, else where the run began (its
+    --resume, or the first epoch).  Returns where, in words."""
+    if args.save and os.path.exists(args.save):
+        args.resume = args.save
+    if args.resume:
+        check_resume(args, shapes)
+    if args.trace and args.trace_from <= args.resume_epoch:
+        args.trace = None  # its window is behind the restart: trained already
+    return f"from {args.resume} at epoch {args.resume_epoch}" if args.resume else \
+        "from the first epoch"
+
+
+def resume_hint(args, shapes):
+    """What the last line of a failed run adds: the run's last checkpoint
+    and the command that resumes from it; node R > 0: node 0's."""
+    if args.node_rank:
+        return "; resume from node 0's last checkpoint (--resume)" if args.nodes > 1 else ""
+    if not (args.save and os.path.exists(args.save)):
+        return ""
+    try:
+        epoch = records.load_checkpoint(args.save, shapes)[2]["epoch"]
+    except records.CheckpointError:
+        return ""
+    words, near = shlex.split(args.command), os.path.relpath(args.save)
+    shown = args.save if near.startswith("..") else near  # as the user would type it here
+    if "--resume" in words:
+        del words[words.index("--resume"):words.index("--resume") + 2]
+    return f"; resume (epoch {epoch}): {shlex.join(words + ['--resume', shown])}"

@@ -133,11 +133,19 @@ class Watchdog:
         # again while another worker removes the run folder, it would leave
         # the folder there when the last worker goes without removing it
         # (JAX's runtime ends the others once one has gone).
+        # It holds where the worker is, "EPOCH STEP" (``follow``), for its
+        # launcher to say where a run failed.
+        self.beat, self.trainer, self.where = None, None, ""
         try:
-            files.new_file(heartbeat_path(rundir, rank)).close()
+            self.beat = files.new_file(heartbeat_path(rundir, rank))
         except FileNotFoundError:
             pass  # the folder is gone already: the watch below ends us
         threading.Thread(target=self._watch, daemon=True).start()
+
+    def follow(self, trainer, epoch):
+        """From now on the heartbeat names the step ``trainer`` began last
+        (a device-ordered one queues calls ahead), from ``epoch`` on."""
+        self.trainer, self.first_epoch = trainer, epoch
 
     def alive(self):
         self.last = time.monotonic()
@@ -157,6 +165,7 @@ class Watchdog:
                 signum = os.read(self.wakeup, 1)[0]
                 stopping.signum = stopping.signum or signum
             now = time.monotonic()
+            self.say_where()
             try:
                 os.utime(beat, follow_symlinks=False)
             except OSError:  # the run folder is gone: ours, on the way out, or someone's doing
@@ -177,6 +186,24 @@ class Watchdog:
                 quit_now(1)
 
 
+    def finished(self):
+        """Trained and written: what follows is the exit, whose heartbeat its
+        launcher does not watch."""
+        self.trainer = None
+        with contextlib.suppress(OSError, AttributeError):
+            os.pwrite(self.beat.fileno(), FINISHED.ljust(32).encode(), 0)
+
+    def say_where(self):
+        if not (self.trainer and self.beat):
+            return
+        begun, n = self.trainer.steps_run, self.trainer.n_steps
+        where = f"{self.first_epoch + (begun - 1) // n + 1} {(begun - 1) % n + 1}"
+        if begun and where != self.where:
+            with contextlib.suppress(OSError):
+                os.pwrite(self.beat.fileno(), where.ljust(32).encode(), 0)
+            self.where = where
+
+
 def folder_vanished(rank, rundir):
     """The run folder went while the run lives (a temporary-file cleaner,
     systemd's RemoveIPC): its sockets and buffers with it, so the run
@@ -185,6 +212,9 @@ def folder_vanished(rank, rundir):
           "it (a cleaner of temporary files?): the run cannot go on", file=sys.stderr,
           flush=True)
     quit_now(1)
+
+
+FINISHED = "done"  # a heartbeat file's words once its worker has only its exit left
 
 
 def heartbeat_path(rundir, rank):
@@ -215,6 +245,9 @@ class Unwatched:
     """A trainer's watchdog outside a launcher (tests, benchmarks): none."""
 
     def alive(self):
+        pass
+
+    def follow(self, trainer, epoch):
         pass
 
     def __enter__(self):
@@ -375,5 +408,6 @@ def run_worker(work, index, launcher_pid, one_line_errors):
         # system does not.  (JAX's distributed runtime ends at exit with a
         # barrier the other workers wait for: an xla worker exits in full.)
         quit_now(0)
+    watchdog.finished()  # its heartbeat may stop now: the runtime's exit waits for the others
     release_stdout()
     return 0

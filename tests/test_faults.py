@@ -220,3 +220,26 @@ def test_a_barrier_timeout_names_the_worker_that_stopped_not_one_waiting_for_it(
             dual_mlp.barrier(peer)
     finally:
         peer.close()
+
+
+def test_max_restarts_brings_a_killed_worker_back_to_the_uninterrupted_weights(tmp_path,
+                                                                                no_leftovers):
+    """--max-restarts 1, as torchrun's: a worker SIGKILLed at a random step,
+    every worker starts again from the last checkpoint (or the start, before
+    the first), the launcher saying so in one line, and the run ends exit 0
+    with the weights of a run never interrupted, bit for bit."""
+    import random
+    ckpt = tmp_path / "restarted.npz"
+    proc = start_dual("cpu", "cpu", "--epochs", 20, "--save", ckpt, "--max-restarts", 1)
+    wait_until_training(proc)
+    time.sleep(random.uniform(0, 0.5))
+    victim = random.choice(workers_of(proc))
+    victim.send_signal(signal.SIGKILL)
+    code, _, err = finish(proc, timeout=120)
+    assert code == 0, err
+    restarts = [line for line in err.splitlines() if "restarting every worker" in line]
+    assert len(restarts) == 1 and "failed: killed by SIGKILL" in restarts[0], err
+    assert restarts[0].endswith("(restart 1 of 1)")
+    print(restarts[0])
+    assert dual("cpu", "cpu", "--epochs", 20, "--save", tmp_path / "whole.npz").returncode == 0
+    assert_identical_checkpoints(ckpt, tmp_path / "whole.npz", records.TRAINING_STATE)

@@ -22,7 +22,7 @@ from conftest import (LAUNCHERS, ROOT, SHAPES, TOKEN, dual, finish,
                       kill_one_worker, leftover_workers, run_directories, script,
                       refused, start_checkpointing, start_dual, start_node, wait_for,
                       wait_until_training, workers_of)
-from multi_gpu.launcher import free_port
+from multi_gpu.nodes import free_port
 
 
 def one_line(out, code, *words):

@@ -17,7 +17,7 @@ import pytest
 from multi_gpu import datasets, files, records
 from conftest import (SECRET, SHAPES, dual, finish, leftover_workers, start_dual,
                       wait_for, wait_until_training, workers_of)
-from multi_gpu.launcher import free_port
+from multi_gpu.nodes import free_port
 
 NOBODY = 65534
 AS_ROOT = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),

@@ -12,7 +12,7 @@ import zmq
 
 from conftest import (SECRET, finish, leftover_workers, made_once, run_directories, start_node,
                       wait_for)
-from multi_gpu.launcher import curve_keys, free_port
+from multi_gpu.nodes import curve_keys, free_port
 
 # what a node holding the run's secret might send node 0's lobby: each gets an answer
 ODD_MESSAGES = (b'{"node_rank": 1e999, "options": {}}', b"\xff not json",
@@ -99,7 +99,7 @@ def meet_and_train(folder):
             "--trace-steps", 4)  # every node runs the same options
     node0 = start_node(port, 0, *same, "--json", folder / "run.json",
                        env={"DUAL_MLP_SECRET": ""})
-    seen, before, idle = {}, run_directories(), []
+    seen, before, idle = {"port": port}, run_directories(), []
     try:
         line = wait_for(lambda: next((l for l in iter(node0.stdout.readline, "")
                                       if "the run's secret" in l), None), 60, "the secret")
@@ -113,6 +113,9 @@ def meet_and_train(folder):
         for env in ({"DUAL_MLP_SECRET": "another secret, long enough"}, {"DUAL_MLP_SECRET": ""}):
             stranger = start_node(port, 1, *same, env=env)
             seen["refused"].append(finish(stranger, timeout=60))
+        unchecked = [a for a in same if a != "--check"]  # node 0 only: both would wait for ever
+        seen["refused"].append(finish(start_node(port, 1, *unchecked,
+                                                 env={"DUAL_MLP_SECRET": secret}), timeout=60))
         idle, seen["growth"] = swell(launcher, port)
         node1 = start_node(port, 1, *same, env={"DUAL_MLP_SECRET": secret})
         seen["nodes"] = [finish(node, timeout=300) for node in (node0, node1)]
@@ -142,8 +145,12 @@ def test_only_a_node_holding_the_runs_secret_gets_in_and_a_stranger_learns_nothi
     assert two_nodes["answered_strangers"] == []
     for (code, _, err), words in zip(two_nodes["refused"], (
             "the handshake failed: this node does not hold the run's secret",
-            "node 1 needs the run's secret")):
-        assert code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+            "node 1 needs the run's secret",
+            "refused by node 0 at 127.0.0.1:{port}: node 0 runs other options: --check True "
+            "there, False here")):
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert words.format(port=two_nodes["port"]) in err, err
+    assert len(two_nodes["refused"]) == 3
     trained(two_nodes)
 
 

@@ -14,7 +14,7 @@ from multi_gpu import records
 from conftest import (SHAPES, assert_identical_checkpoints, dual, finish, kill_one_worker,
                       leftover_workers, refused, run_directories, run_once, start_dual, start_node,
                       wait_for, wait_until_training, workers_of)
-from multi_gpu.launcher import free_port
+from multi_gpu.nodes import free_port
 
 
 def run(tmp_path, name, *args, **kw):
@@ -160,7 +160,7 @@ def test_a_dead_node_stops_the_other_node():
     os.killpg(node1.pid, signal.SIGKILL)  # that machine's launcher and workers, at once
     node1.communicate()
     code, took, err = finish(node0, timeout=30)
-    assert code == 1 and "failed:" in err.splitlines()[-1]
+    assert code == 1 and err.splitlines()[-1].startswith("error: node 1 (127.0.0.1) lost: ")
     print(f"node 0 stopped {took:.2f} s after node 1 died: {err.splitlines()[-1]}")
     wait_for(lambda: not leftover_workers(), 5, "every worker to exit")
     for leftover in run_directories() - before:  # node 1's: nobody was left to remove it

@@ -1,0 +1,179 @@
+"""Runs of several machines for real: each node in a test host of its own
+(a network namespace on one bridge, its own interface and address), as
+README.md's several-machines commands run on a cluster.  One machine
+cannot stand for several any other way: on 127.0.0.1 gloo and JAX's
+coordinator find each other whatever the flags say.
+
+The runs are made once, all at the same time (``host_runs``), and each
+test looks at what they did: an uninterrupted run, and one run for each
+way a node is lost (its cable cut, the machine killed or stopped, one of
+its workers killed or stopped), each struck in its second epoch."""
+import shlex
+import shutil
+import signal
+import time
+
+import psutil
+import pytest
+
+from conftest import (assert_identical_checkpoints, finish, hosts_on_a_bridge, made_once,
+                      run_directories, start_dual, wait_for, why_no_test_hosts)
+
+pytestmark = pytest.mark.skipif(bool(why_no_test_hosts()), reason=str(why_no_test_hosts()))
+
+EPOCHS = 6  # the uninterrupted run's, and the resumed run's
+FAULTS = {  # what strikes node 1's test host, and the words node 0's last line names it by
+    "cut cable": (lambda host, worker: host.cut(), "lost: not heard from for"),
+    "killed node": (lambda host, worker: host.signal(signal.SIGKILL), "lost: not heard from for"),
+    "stopped node": (lambda host, worker: host.signal(signal.SIGSTOP),
+                     "lost: not heard from for"),
+    "killed worker": (lambda host, worker: worker.send_signal(signal.SIGKILL),
+                      ": worker 1 (device cpu) failed: killed by SIGKILL"),
+    "stopped worker": (lambda host, worker: worker.send_signal(signal.SIGSTOP),
+                       ": worker 1 (device cpu) stopped: silent for"),
+}
+
+
+def node(folder, host, coordinator, rank, *args, env=None):
+    """README's command for node ``rank`` of a run of two CPU machines, in
+    ``host`` (in ``folder``, which its paths are relative to): node 0 at
+    ``coordinator``, one worker each."""
+    return start_dual("cpu", "--nodes", 2, "--node-rank", rank, "--coordinator",
+                      f"{coordinator.address}:29500", *args, env=env, host=host, cwd=folder)
+
+
+def checkpoint(fault):
+    return fault.replace(" ", "-") + ".npz"
+
+
+def read_secret(node0):
+    """The secret node 0 prints, as a user reads it off its terminal."""
+    line = wait_for(lambda: next((l for l in iter(node0.stdout.readline, "")
+                                  if "DUAL_MLP_SECRET=" in l), None), 60, "the run's secret")
+    return line.split("DUAL_MLP_SECRET=")[1].split()[0]
+
+
+def strike(name, node0, node1, hosts):
+    """Once node 0 has trained an epoch, ``FAULTS[name]`` strikes node 1:
+    returns when it struck (monotonic seconds)."""
+    wait_for(lambda: next((l for l in iter(node0.stdout.readline, "")
+                           if l.startswith("epoch 1/")), None), 120, f"{name}: epoch 1")
+    worker = wait_for(lambda: [p for p in psutil.Process(node1.pid).children()
+                               if "--worker" in p.cmdline()], 10, "node 1's worker")[0]
+    FAULTS[name][0](hosts[1], worker)
+    return time.monotonic()
+
+
+def run_on_hosts(folder):
+    """Every run at once, two test hosts each: what each node printed, how
+    it ended, how long after the fault node 0 stopped; then the cut cable's
+    run resumed, as node 0's last line says, to the uninterrupted run's end."""
+    secret_file = folder / "secret"
+    secret_file.write_text("a secret of the tests' own runs, in a file")
+    secret_file.chmod(0o600)
+    seen, before = {}, run_directories()
+    with hosts_on_a_bridge(2 * (1 + len(FAULTS))) as hosts:
+        pairs = {name: hosts[2 * i:2 * i + 2] for i, name in enumerate(["whole", *FAULTS])}
+        # the uninterrupted run: node 0 makes the secret and prints it, node 1 is given it
+        h = pairs["whole"]
+        whole0 = node(folder, h[0], h[0], 0, "--epochs", EPOCHS, "--check", "--json",
+                      "whole.json", "--save", "whole.npz", env={"DUAL_MLP_SECRET": ""})
+        whole1 = node(folder, h[1], h[0], 1, "--epochs", EPOCHS, "--check",
+                      env={"DUAL_MLP_SECRET": read_secret(whole0)})
+        struck = {}
+        for name in FAULTS:
+            h = pairs[name]
+            same = ("--epochs", 1000, "--secret-file", "secret")
+            struck[name] = [node(folder, h[0], h[0], 0, *same, "--save", checkpoint(name)),
+                            node(folder, h[1], h[0], 1, *same)]
+        at = {name: strike(name, node0, node1, pairs[name])
+              for name, (node0, node1) in struck.items()}
+        ended = {}
+        while len(ended) < len(struck) and time.monotonic() < max(at.values()) + 60:
+            ended.update((name, time.monotonic()) for name, (node0, _) in struck.items()
+                         if name not in ended and node0.poll() is not None)
+            time.sleep(0.05)
+        for name, (node0, node1) in struck.items():
+            code, _, err = finish(node0, timeout=1)
+            seen[name] = dict(code=code, took=ended[name] - at[name], err=err, out=node0.out)
+            pairs[name][1].signal(signal.SIGCONT)
+            seen[name]["node1"] = finish(node1, timeout=60)[::2]
+        seen["whole"] = [finish(p, timeout=120)[::2] for p in (whole0, whole1)]
+        # resumed as node 0's last line says (to the uninterrupted run's epochs), and node 1
+        # as its own says, with node 0's checkpoint
+        line = seen["cut cable"]["err"].strip().splitlines()[-1]
+        command = shlex.split(line.split("; resume (epoch ")[1].split("): ", 1)[1])
+        command[command.index("--epochs") + 1] = str(EPOCHS)
+        h = pairs["whole"]
+        resumed = [node(folder, h[0], h[0], 0, *command[command.index("--coordinator") + 2:]),
+                   node(folder, h[1], h[0], 1, "--epochs", EPOCHS, "--secret-file", "secret",
+                        "--resume", checkpoint("cut cable"))]
+        seen["resumed"] = [finish(p, timeout=120)[::2] for p in resumed]
+        gone = str(struck["killed node"][1].pid)  # node 1's launcher, killed with its host
+    time.sleep(0.2)
+    left = run_directories() - before
+    for folder in (f for f in left if f.name.split("-")[1] == gone):
+        shutil.rmtree(folder)  # nobody was left there to remove it
+    seen["left"] = sorted(str(f) for f in left if f.name.split("-")[1] != gone)
+    seen["hosts"] = {name: [h.address for h in pair] for name, pair in pairs.items()}
+    return seen
+
+
+@pytest.fixture(scope="module")
+def host_runs():
+    folder, seen = made_once("host_runs", run_on_hosts)
+    return dict(seen, folder=folder)
+
+
+def test_two_test_hosts_train_identical_replicas_as_the_readme_says(host_runs):
+    """Node 0 prints the run's secret, node 1 is given it in its
+    environment; one worker on each machine; the replicas agree to the bit."""
+    import json
+    for code, err in host_runs["whole"]:
+        assert code == 0, err
+    summary = json.loads((host_runs["folder"] / "whole.json").read_text())
+    assert summary["workers"] == 2 and summary["nodes"] == 2
+    assert summary["max_replica_diff"] == 0.0
+    assert host_runs["left"] == []
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_lost_node_is_named_by_the_other_within_15_s(host_runs, fault):
+    """Whichever way node 1 is lost, node 0 stops within 15 s, exit 1, in
+    one line of at most 300 characters that names node 1 and its address,
+    the epoch and step, the checkpoint and the command that resumes; nothing
+    it prints reads as a crash; its checkpoint is intact."""
+    from multi_gpu import records
+    from conftest import SHAPES
+    seen, node1 = host_runs[fault], host_runs["hosts"][fault][1]
+    print(f"{fault}: node 0 stopped {seen['took']:.1f} s after it struck: {seen['err']}")
+    assert seen["code"] == 1 and seen["took"] < 15
+    lines = seen["err"].strip().splitlines()
+    assert len(lines) == 1, seen["err"]
+    line = lines[0]
+    assert line.startswith(f"error: node 1 ({node1})") and FAULTS[fault][1] in line, line
+    assert " at epoch " in line and ", step " in line and "; resume (epoch " in line
+    assert line.endswith(f" --resume {checkpoint(fault)}") and "python dual_mlp.py " in line
+    assert len(line) <= 300, len(line)
+    for crash in ("Traceback", "Error dispatching", "F1", "Fatal", "Gloo"):
+        assert crash not in seen["err"] + seen["out"], crash
+    records.load_checkpoint(str(host_runs["folder"] / checkpoint(fault)), SHAPES)
+
+
+def test_the_node_left_behind_a_cut_cable_names_node_0(host_runs):
+    """Across a cut cable each side sees the other lost: node 1 says so of
+    node 0, in one line, and ends."""
+    code, err = host_runs["cut cable"]["node1"]
+    node0 = host_runs["hosts"]["cut cable"][0]
+    assert code == 1 and err.strip().splitlines() == [err.strip()], err
+    assert err.startswith(f"error: node 0 ({node0}) lost: not heard from for"), err
+
+
+def test_a_run_resumed_after_a_lost_node_ends_as_the_uninterrupted_one(host_runs):
+    """The cut cable's checkpoint, resumed with node 0's printed command,
+    ends with the uninterrupted run's weights, bit for bit."""
+    for code, err in host_runs["resumed"]:
+        assert code == 0, err
+    folder = host_runs["folder"]
+    assert_identical_checkpoints(folder / checkpoint("cut cable"), folder / "whole.npz")
+    assert host_runs["left"] == []
