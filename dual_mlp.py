@@ -785,9 +785,10 @@ def parse_args(argv=None):
                    help="seconds a worker waits for the others (to meet, or to finish a "
                         "step) before it reports them stalled (default: %(default)s)")
     p.add_argument("--max-restarts", type=cli.non_negative_int, default=0, metavar="N",
-                   help="where a worker fails or is lost, stop them all and start them again "
-                        "from the last --save checkpoint (else from the start), at most N "
-                        "times, as torchrun's --max-restarts (default: %(default)s)")
+                   help="where a worker fails or stops, start every worker (of every node) "
+                        "again from the last --save checkpoint (else from the start), at most "
+                        "N times, as torchrun's --max-restarts; a node lost ends the run "
+                        "(default: %(default)s)")
     p.add_argument("--nodes", type=cli.positive_int, default=1,
                    help="machines taking part, each running this launcher with its own "
                         "devices, the same number on each (default: %(default)s)")

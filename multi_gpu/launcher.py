@@ -11,6 +11,7 @@ nodes of its own run.  ``worker.py`` is the other side of the process
 boundary.
 """
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags, before PyTensor
+import base64
 import collections
 import contextlib
 import importlib.util
@@ -173,9 +174,6 @@ def check_nodes(args):
     elif args.nodes > 1:
         raise UsageError("--nodes > 1 needs --coordinator HOST:PORT: an address of node 0 "
                          "that every node can reach")
-    if args.max_restarts and args.nodes > 1:
-        raise UsageError("--max-restarts restarts the workers of one machine; a run of several "
-                         "stops, naming what failed, and says how to resume")
 
 
 # the options that shape the training: a checkpoint records them, and every
@@ -597,10 +595,11 @@ def launch(args, script, rundir, link):
     """Start the workers (``script --worker INDEX LAUNCHER_PID``, the run
     folder's name in their environment), then make the run folder and leave
     the request there, and watch them and the other nodes (``link``); if a
-    worker fails or stops running, or another node does, stop the others at
-    once.  Returns (the exit code, the traceback of a worker that failed
-    unexpectedly, what failed in one line: None where the run ended, or
-    said why itself).
+    worker fails or stops running, or another node does, or node 0 orders
+    the run to start again, stop the others at once.  Returns (the exit
+    code, the traceback of a worker that failed unexpectedly, what failed
+    in one line: None where the run ended, or said why itself; whether a
+    node was lost, or ended for good).
 
     In that order, wherever this launcher dies (even by SIGKILL), a worker
     is there to remove the folder: each waits for the request only while
@@ -622,7 +621,7 @@ def launch(args, script, rundir, link):
             stop(workers)
             cli.say(f"error: the run folder {rundir} exists already, made by someone else: the "
                     "run stops and leaves it as it is", file=sys.stderr)
-            return 1, "", None
+            return 1, "", None, False
         made = True
         fault_point("launcher", "folder")
         request = os.path.join(rundir, "config.json")
@@ -638,22 +637,25 @@ def launch(args, script, rundir, link):
         except FileNotFoundError:
             cli.say(f"error: the run folder {rundir} was removed as the run started (a cleaner "
                     "of temporary files?)", file=sys.stderr)
-            return 1, "", None
+            return 1, "", None, False
         except OSError as e:
             if e.errno not in files.NO_ROOM:
                 raise
             cli.say(f"error: {files.no_room(e, rundir)}", file=sys.stderr)
-            return 1, "", None
+            return 1, "", None, False
         patience = stall_patience(args.timeout)
         while not stopping.is_set():
             codes = [w.proc.poll() for w in workers]
             if all(code == 0 for code in codes):
                 link.tell("done")
-                return 0, "", None
+                return 0, "", None, False
             failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
             stalled = [w for w, code in zip(workers, codes)
                        if code is None and w.stalled(rundir, patience)]
-            verdict = link.verdict()
+            verdict, order = link.verdict(), link.ordered()
+            if order:  # node 0 starts the run again: another node failed
+                left = stop(workers)
+                return 1, "", f"{order['why']}{unkillable(left)}", False
             if not (failed or stalled or verdict):
                 time.sleep(0.05)
                 continue
@@ -663,7 +665,7 @@ def launch(args, script, rundir, link):
             # wrong in our own words; the others' errors may only follow from theirs
             failed.sort(key=lambda w: (w.proc.returncode > 0, not w.said_why()))
             if any(w.proc.returncode == 128 + signal.SIGPIPE for w in failed):
-                return 128 + signal.SIGPIPE, "", None  # stdout was closed: end as quietly
+                return 128 + signal.SIGPIPE, "", None, False  # stdout was closed: end as quietly
             if failed and all(w.proc.returncode in (130, 143) for w in failed) and not verdict:
                 stopping.signum = failed[0].proc.returncode - 128  # Ctrl-C reached them first
                 break
@@ -671,9 +673,11 @@ def launch(args, script, rundir, link):
                     failed[0].proc.returncode > 0 and not failed[0].said_why():
                 # a collective that broke under us: did another node fail or go first?
                 deadline = time.monotonic() + LOST_AFTER + 1
-                while not verdict and time.monotonic() < deadline:
+                while not (verdict or link.ordered()) and time.monotonic() < deadline:
                     time.sleep(0.05)
                     verdict = link.verdict()
+                if link.ordered():
+                    return 1, "", link.ordered()["why"], False
             trace = ""
             if verdict:
                 why = verdict
@@ -684,15 +688,15 @@ def launch(args, script, rundir, link):
                 w = failed[0]
                 trace, cause = w.cause()
                 why = f"worker {w.rank} (device {w.dev}) failed: {cause}"
-            link.tell("failed", why)
-            return 1, trace, f"{why}{at}{unkillable(left)}"
+            at = "" if " at epoch " in why else at  # another node's word says where already
+            return 1, trace, f"{why}{at}{unkillable(left)}", bool(verdict) and link.gone()
         left = stop(workers)
-        link.tell("failed", f"interrupted ({signal.Signals(stopping.signum).name})")
+        link.tell("failed", f"interrupted ({signal.Signals(stopping.signum).name})", final=True)
         kept = f"; last checkpoint kept in {args.save}" if args.save and \
             os.path.exists(args.save) else ""
         cli.say(f"interrupted ({signal.Signals(stopping.signum).name}){kept}{unkillable(left)}",
                 file=sys.stderr)
-        return 128 + stopping.signum, "", None
+        return 128 + stopping.signum, "", None, False
     finally:
         if made:
             shutil.rmtree(rundir, ignore_errors=True)
@@ -718,26 +722,45 @@ def position(rundir, rank):
 
 
 def supervise(args, shapes, script, rundir, link):
-    """Run the workers (``launch``); where one fails or is lost, and
+    """Run the workers (``launch``); where one fails or stops, and
     ``--max-restarts`` allows, start them all again from the run's last
-    checkpoint, saying so in one line each time.  Where the run fails for
-    good, its last line says what failed, where, and how to resume.
-    Returns the exit code."""
+    checkpoint, every node, saying so in one line each time: node 0
+    decides, and tells the others where to start (``Lobby.order_restart``);
+    a node lost ends the run.  Where the run fails for good, its last line
+    says what failed, where, and how to resume.  Returns the exit code."""
     for restart in range(1, args.max_restarts + 2):
-        code, trace, why = launch(args, script, rundir, link)
-        if why is None or restart > args.max_restarts:
+        code, trace, why, lost = launch(args, script, rundir, link)
+        if why is None:
+            break
+        if args.node_rank and not link.ordered():
+            link.tell("failed", why)  # node 0 decides whether the run starts again
+        if restart > args.max_restarts or lost:
             break
         try:
-            resumed = restart_point(args, shapes)
+            order = link.ordered() or (link.await_order() if args.node_rank else None)
+            if args.node_rank and not order:
+                why = link.verdict() or why
+                break
+            resumed = follow(args, order) if order else restart_point(args, shapes)
         except (UsageError, records.CheckpointError) as e:
             why += f"; no restart: {e}"
             break
-        cli.say(f"{why}: restarting every worker {resumed} (restart {restart} of "
-                f"{args.max_restarts})", file=sys.stderr)
+        cli.say(f"{order['why'] if order else why}: restarting every worker {resumed} (restart "
+                f"{restart} of {args.max_restarts})", file=sys.stderr)
         old, (rundir, _) = rundir, run_folder(args, shapes)
+        if order:
+            link.restart(order["generation"])
+            continue
         if args.jax_coordinator == private_coordinator(old):
             args.jax_coordinator = private_coordinator(rundir)
+        elif args.nodes > 1:  # a new port: the last one's may linger
+            host = host_and_port(args.coordinator)[0]
+            args.jax_coordinator = f"{host}:{free_port(host)}"
+        if args.nodes > 1:
+            link.order_restart(restart, why, args.jax_coordinator, args.resume_epoch,
+                               args.checked_resume if args.resume else None)
     if why is not None:
+        link.tell("failed", why, final=True)
         cli.say(f"{trace}error: {why}{resume_hint(args, shapes)}", file=sys.stderr)
     return code
 
@@ -750,6 +773,19 @@ def restart_point(args, shapes):
         args.resume = args.save
     if args.resume:
         check_resume(args, shapes)
+    return resumed_at(args)
+
+
+def follow(args, order):
+    """Node R > 0: make the request resume where node 0's ``order`` says,
+    from the bytes of node 0's checkpoint.  Returns where, in words."""
+    args.jax_coordinator, args.resume_epoch = order["jax_coordinator"], order["resume_epoch"]
+    args.checked_resume = order["checkpoint"] and base64.b64decode(order["checkpoint"])
+    args.resume = "node 0's checkpoint" if order["checkpoint"] else None
+    return resumed_at(args)
+
+
+def resumed_at(args):
     if args.trace and args.trace_from <= args.resume_epoch:
         args.trace = None  # its window is behind the restart: trained already
     return f"from {args.resume} at epoch {args.resume_epoch}" if args.resume else \

@@ -12,6 +12,7 @@ cut cable, a machine gone, a node stopped.  The launchers speak for their
 nodes; the workers' own collectives (gloo, NCCL) would wait minutes for a
 peer whose cable is cut, and say nothing of who it was.
 """
+import base64
 import hashlib
 import json
 import os
@@ -127,23 +128,38 @@ HANDSHAKE_MS = 5000            # a connection that has not proved itself by then
 class Standing:
     """How a node stands, as its heartbeats tell the others: ``running``,
     ``failed`` (``why``: what went wrong, in one line), or ``done``; and
-    when it was last heard from."""
+    when it was last heard from.  Its heartbeats count from the run's
+    ``generation`` on (each restart is one more: ``--max-restarts``)."""
 
-    def __init__(self, name):
-        self.name, self.state, self.why, self.heard = name, "running", None, time.monotonic()
+    def __init__(self, name, generation=0):
+        self.name = name
+        self.restart(generation)
+
+    def restart(self, generation):
+        self.state, self.why, self.final, self.heard = "running", None, False, time.monotonic()
+        self.generation = generation
 
     def heard_from(self, beat):
+        if beat.get("generation", 0) < self.generation:
+            return  # an earlier start's last words
         self.heard = time.monotonic()
         if self.state == "running" and beat.get("state") in ("failed", "done"):
             self.state, self.why = beat["state"], str(beat.get("why"))[:400]
+            self.final = beat.get("final") is True
+
+    def lost(self):
+        return self.state == "running" and time.monotonic() - self.heard > LOST_AFTER
+
+    def gone(self):
+        """Lost, or ended for good (no restart brings it back)."""
+        return self.lost() or (self.state == "failed" and self.final)
 
     def verdict(self):
         """Why the run cannot go on because of this node, or None."""
         if self.state == "failed":
             return self.why if self.why.startswith("node ") else f"{self.name}: {self.why}"
-        silent = time.monotonic() - self.heard
-        if self.state == "running" and silent > LOST_AFTER:
-            return f"{self.name} lost: not heard from for {silent:.0f} s"
+        if self.lost():
+            return f"{self.name} lost: not heard from for {time.monotonic() - self.heard:.0f} s"
         return None
 
 
@@ -152,34 +168,62 @@ class Alone:
 
     others = False
 
-    def tell(self, state, why=None):
+    def tell(self, state, why=None, final=False):
         pass
 
     def verdict(self):
+        return None
+
+    def gone(self):
+        return False
+
+    def ordered(self):
         return None
 
 
 class Heartbeats:
     """What node 0 and its members share: this node's own standing, sent
     every ``BEAT_S`` seconds (and at once when it changes) by a thread that
-    owns the zmq socket; the others' standings, each a ``Standing``."""
+    owns the zmq socket; the others' standings, each a ``Standing``; and
+    where the run starts again (``--max-restarts``), node 0's order to."""
 
     others = True
 
     def start_beating(self, context, socket):
         self.context, self.socket, self.lock = context, socket, threading.Lock()
+        self.generation, self.order, self.outbox = 0, None, None
         self.mine, self.sent, self.open = {"state": "running"}, False, True
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
-    def tell(self, state, why=None):
-        """This node now stands so (``failed``, with why; ``done``)."""
+    def tell(self, state, why=None, final=False):
+        """This node now stands so (``failed``, with why, and ``final`` where
+        no restart brings it back; ``done``)."""
         with self.lock:
-            self.mine, self.sent = {"state": state, "why": why}, False
+            self.mine = {"state": state, "why": why, "final": final,
+                         "generation": self.generation}
+            self.sent = False
+
+    def restart(self, generation):
+        """The run starts again: every node stands anew, heard from now."""
+        self.generation = generation
+        for standing in self.standings():
+            standing.restart(generation)
+        self.tell("running")
 
     def verdict(self):
         """The first other node that failed or was lost, in words; None while all stand."""
-        return next(filter(None, (s.verdict() for s in list(self.standings()))), None)
+        return next(filter(None, (s.verdict() for s in self.standings())), None)
+
+    def gone(self):
+        """Is another node lost, or ended for good?"""
+        return any(s.gone() for s in self.standings())
+
+    def ordered(self):
+        """Node 0's order to start again, where it has given one since this
+        start (a dict: ``Lobby.order_restart``); None."""
+        order = self.order
+        return order if order and order["generation"] > self.generation else None
 
     def _serve(self):
         next_beat = 0.0
@@ -191,6 +235,10 @@ class Heartbeats:
                 except Exception:  # whatever a node sends is answered, or dropped
                     self.answer(frames, {"why": "not a dual_mlp.py node"})
             now = time.monotonic()
+            with self.lock:
+                outbox, self.outbox = self.outbox, None
+            if outbox:
+                self.beat(outbox)
             if now >= next_beat or not self.sent:
                 with self.lock:
                     beat, self.sent = json.dumps({"beat": self.mine}).encode(), True
@@ -246,7 +294,7 @@ class Lobby(Heartbeats):
         self.start_beating(context, lobby)
 
     def standings(self):
-        return (standing for _, standing in self.members.values())
+        return [standing for _, standing in list(self.members.values())]
 
     def answer(self, frames, reply):
         self.socket.send_multipart([frames[0].bytes, b"", json.dumps(reply).encode()])
@@ -280,6 +328,18 @@ class Lobby(Heartbeats):
     def beat(self, message):
         for identity in list(self.members):
             self.socket.send_multipart([identity, b"", message])
+
+    def order_restart(self, generation, why, jax_coordinator, resume_epoch, checkpoint):
+        """Start the run again, every node: where JAX's coordinator listens
+        now, and the checkpoint's bytes (None: from the first epoch), which
+        the other machines may not hold."""
+        self.restart(generation)
+        why = why if why.startswith("node ") else f"node 0 ({host_and_port(self.address)[0]}): {why}"
+        order = dict(generation=generation, why=why, jax_coordinator=jax_coordinator,
+                     resume_epoch=resume_epoch, checkpoint=checkpoint and
+                     base64.b64encode(checkpoint).decode())
+        with self.lock:
+            self.outbox = json.dumps({"restart": order}).encode()
 
     def __enter__(self):
         return self
@@ -350,7 +410,19 @@ class Member(Heartbeats):
         return (self.node0,)
 
     def received(self, frames):
-        self.node0.heard_from(json.loads(frames[-1].bytes)["beat"])
+        message = json.loads(frames[-1].bytes)
+        if "restart" in message:
+            self.order = message["restart"]
+        else:
+            self.node0.heard_from(message["beat"])
+
+    def await_order(self):
+        """Node 0's order to start again, once this node has failed: None
+        where node 0 fails or is lost first, or says nothing in time."""
+        deadline = time.monotonic() + LOST_AFTER + 10
+        while not (self.ordered() or self.verdict()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.ordered()
 
     def answer(self, frames, reply):
         pass  # node 0 says only heartbeats

@@ -8,6 +8,7 @@ The runs are made once, all at the same time (``host_runs``), and each
 test looks at what they did: an uninterrupted run, and one run for each
 way a node is lost (its cable cut, the machine killed or stopped, one of
 its workers killed or stopped), each struck in its second epoch."""
+import random
 import shlex
 import shutil
 import signal
@@ -46,6 +47,22 @@ def checkpoint(fault):
     return fault.replace(" ", "-") + ".npz"
 
 
+def readme_commands(hosts):
+    """README.md's two commands for two machines, as typed, each on its test
+    host: its address for 10.0.0.1, its interface for eth0; node 1's secret
+    is the one node 0 prints (``run_secret``).  [(environment, arguments)]"""
+    import re
+    from conftest import ROOT
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"# machine A \(10\.0\.0\.1\).*?```", text, re.S).group(0)
+    commands = []
+    for line, host in zip([l for l in block.splitlines() if "python dual_mlp.py" in l], hosts):
+        line = line.replace("10.0.0.1", hosts[0].address).replace("eth0", host.interface)
+        env, _, args = line.partition("python dual_mlp.py ")
+        commands.append((dict(w.split("=", 1) for w in shlex.split(env)), shlex.split(args)))
+    return commands
+
+
 def read_secret(node0):
     """The secret node 0 prints, as a user reads it off its terminal."""
     line = wait_for(lambda: next((l for l in iter(node0.stdout.readline, "")
@@ -53,14 +70,16 @@ def read_secret(node0):
     return line.split("DUAL_MLP_SECRET=")[1].split()[0]
 
 
-def strike(name, node0, node1, hosts):
-    """Once node 0 has trained an epoch, ``FAULTS[name]`` strikes node 1:
+def strike(name, node0, node1, hosts, later=0.0):
+    """Once node 0 has trained an epoch (and ``later`` seconds more),
+    ``FAULTS[name]`` strikes node 1 (a restarted run: its worker is killed):
     returns when it struck (monotonic seconds)."""
     wait_for(lambda: next((l for l in iter(node0.stdout.readline, "")
                            if l.startswith("epoch 1/")), None), 120, f"{name}: epoch 1")
     worker = wait_for(lambda: [p for p in psutil.Process(node1.pid).children()
                                if "--worker" in p.cmdline()], 10, "node 1's worker")[0]
-    FAULTS[name][0](hosts[1], worker)
+    time.sleep(later)
+    FAULTS.get(name, FAULTS["killed worker"])[0](hosts[1], worker)
     return time.monotonic()
 
 
@@ -72,22 +91,31 @@ def run_on_hosts(folder):
     secret_file.write_text("a secret of the tests' own runs, in a file")
     secret_file.chmod(0o600)
     seen, before = {}, run_directories()
-    with hosts_on_a_bridge(2 * (1 + len(FAULTS))) as hosts:
-        pairs = {name: hosts[2 * i:2 * i + 2] for i, name in enumerate(["whole", *FAULTS])}
-        # the uninterrupted run: node 0 makes the secret and prints it, node 1 is given it
-        h = pairs["whole"]
-        whole0 = node(folder, h[0], h[0], 0, "--epochs", EPOCHS, "--check", "--json",
-                      "whole.json", "--save", "whole.npz", env={"DUAL_MLP_SECRET": ""})
-        whole1 = node(folder, h[1], h[0], 1, "--epochs", EPOCHS, "--check",
-                      env={"DUAL_MLP_SECRET": read_secret(whole0)})
+    with hosts_on_a_bridge(2 * (2 + len(FAULTS))) as hosts:
+        pairs = {name: hosts[2 * i:2 * i + 2]
+                 for i, name in enumerate(["whole", "restarted", *FAULTS])}
+        # the uninterrupted run, as README.md says: node 0 makes the secret and prints it,
+        # node 1 is given it
+        (env0, args0), (env1, args1) = readme_commands(pairs["whole"])
+        same = ("--epochs", EPOCHS, "--check")
+        whole0 = start_dual(*args0, *same, "--json", "whole.json", "--save", "whole.npz",
+                            env=dict(env0, DUAL_MLP_SECRET=""), host=pairs["whole"][0],
+                            cwd=folder)
+        env1["DUAL_MLP_SECRET"] = read_secret(whole0)
+        whole1 = start_dual(*args1, *same, env=env1, host=pairs["whole"][1], cwd=folder)
         struck = {}
         for name in FAULTS:
             h = pairs[name]
             same = ("--epochs", 1000, "--secret-file", "secret")
             struck[name] = [node(folder, h[0], h[0], 0, *same, "--save", checkpoint(name)),
                             node(folder, h[1], h[0], 1, *same)]
+        h = pairs["restarted"]
+        restarted = [node(folder, h[i], h[0], i, "--epochs", EPOCHS, "--secret-file", "secret",
+                          "--max-restarts", 1, *(("--save", "restarted.npz") if i == 0 else ()))
+                     for i in (0, 1)]
         at = {name: strike(name, node0, node1, pairs[name])
               for name, (node0, node1) in struck.items()}
+        strike("restarted", *restarted, pairs["restarted"], random.uniform(0, 0.3))
         ended = {}
         while len(ended) < len(struck) and time.monotonic() < max(at.values()) + 60:
             ended.update((name, time.monotonic()) for name, (node0, _) in struck.items()
@@ -99,6 +127,7 @@ def run_on_hosts(folder):
             pairs[name][1].signal(signal.SIGCONT)
             seen[name]["node1"] = finish(node1, timeout=60)[::2]
         seen["whole"] = [finish(p, timeout=120)[::2] for p in (whole0, whole1)]
+        seen["restarted"] = [finish(p, timeout=120)[::2] for p in restarted]
         # resumed as node 0's last line says (to the uninterrupted run's epochs), and node 1
         # as its own says, with node 0's checkpoint
         line = seen["cut cable"]["err"].strip().splitlines()[-1]
@@ -126,8 +155,9 @@ def host_runs():
 
 
 def test_two_test_hosts_train_identical_replicas_as_the_readme_says(host_runs):
-    """Node 0 prints the run's secret, node 1 is given it in its
-    environment; one worker on each machine; the replicas agree to the bit."""
+    """README.md's commands for two machines, as typed: node 0 prints the
+    run's secret, node 1 is given it in its environment; one worker on each
+    machine; the replicas agree to the bit."""
     import json
     for code, err in host_runs["whole"]:
         assert code == 0, err
@@ -177,3 +207,19 @@ def test_a_run_resumed_after_a_lost_node_ends_as_the_uninterrupted_one(host_runs
     folder = host_runs["folder"]
     assert_identical_checkpoints(folder / checkpoint("cut cable"), folder / "whole.npz")
     assert host_runs["left"] == []
+
+
+def test_a_run_of_two_hosts_restarts_itself_and_ends_as_the_uninterrupted_one(host_runs):
+    """--max-restarts 1, node 1's worker SIGKILLed at a random moment of
+    the second epoch: node 0 starts every worker of both nodes again from
+    its last checkpoint, which it sends node 1, each node saying so in one
+    line; both end exit 0 with the uninterrupted run's weights, bit for bit."""
+    node1 = host_runs["hosts"]["restarted"][1]
+    for code, err in host_runs["restarted"]:
+        assert code == 0, err
+        restarts = [line for line in err.splitlines() if "restarting every worker" in line]
+        assert len(restarts) == 1, err
+        assert restarts[0].startswith(f"node 1 ({node1}): worker 1 (device cpu) failed: killed "
+                                      "by SIGKILL") and restarts[0].endswith("(restart 1 of 1)")
+    folder = host_runs["folder"]
+    assert_identical_checkpoints(folder / "restarted.npz", folder / "whole.npz")
