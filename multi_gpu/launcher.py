@@ -182,14 +182,22 @@ def check_nodes(args):
 CONFIG_KINDS = dict(batch_size=int, learning_rate=(int, float), n_hidden=int, l1=(int, float),
                     l2=(int, float), average_every=int, workers=int, dataset=str)
 TRAINED_WITH = tuple(CONFIG_KINDS)
+# Every option of dual_mlp.py is one of two kinds, named once here.  What the workers
+# compute or exchange: every node of a run must be given the same, or it is refused at the
+# lobby (a node that alone asked for --check, say, would wait for ever on the others).
 RUN_OPTIONS = TRAINED_WITH + ("epochs", "seed", "exchange", "sync", "avg", "steps_per_call",
-                              "nodes", "local_workers", "resume_epoch", "max_restarts", "check")
+                              "staged", "nodes", "local_workers", "platform", "resume_epoch",
+                              "max_restarts", "check")
+# A node's own, which the nodes may give differently: its outputs, its waits, its place
+# (its devices count as workers per node and platform, its --resume as the resumed epoch).
+NODE_OWN = ("devices", "save", "resume", "json", "trace", "trace_from", "trace_steps",
+            "timeout", "node_rank", "secret_file", "coordinator", "worker")
 
 
 def option_name(key):
     return {"workers": "workers in all", "dataset": "data set (fingerprint)",
-            "local_workers": "workers per node", "resume_epoch": "resumed epoch"}.get(
-        key, "--" + key.replace("_", "-"))
+            "local_workers": "workers per node", "resume_epoch": "resumed epoch",
+            "platform": "devices (cpu or GPUs)"}.get(key, "--" + key.replace("_", "-"))
 
 
 def differences(theirs, mine, keys):
@@ -251,7 +259,8 @@ def check_outputs(args):
     if args.trace and trace_picture(args.trace) == args.trace:
         raise UsageError(f"--trace {args.trace}: a .png is the picture beside the trace; name "
                          "the trace PATH.json")
-    why = cli.clash({"--dataset": datasets.files_of(args.dataset), "--resume": [args.resume]},
+    why = cli.clash({"--dataset": datasets.files_of(args.dataset), "--resume": [args.resume],
+                     "--secret-file": [args.secret_file]},
                     {"--save": [args.save], "--json": [args.json], "--trace": [args.trace],
                      "--trace's picture": [trace_picture(args.trace)]},
                     allowed={("--save", "--resume")})
@@ -405,7 +414,7 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
     if args.resume:
         notices.append(check_resume(args, shapes))
     notices += check_trace(args, steps_per_epoch(n_train // args.batch_size, world))
-    args.local_workers = len(args.devices)
+    args.local_workers, args.platform = len(args.devices), "gpu" if gpus else "cpu"
     args.run_options = {k: args.trained_with[k] if k in TRAINED_WITH else getattr(args, k)
                         for k in RUN_OPTIONS}
     notices.append(place_coordinator(args))

@@ -79,12 +79,21 @@ def run_secret(args):
             fd = os.open(args.secret_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as e:
             raise UsageError(f"--secret-file {args.secret_file}: {e.strerror.lower()}") from None
-        with os.fdopen(fd) as f:
-            st = os.fstat(f.fileno())
+        try:
+            st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
                 raise UsageError(f"--secret-file {args.secret_file} must be a regular file of "
                                  "yours that nobody else can read or write (chmod 600)")
-            secret = f.read(4096).strip()
+            secret = os.read(fd, 4096).decode().strip()
+        except UnicodeDecodeError:
+            raise UsageError(f"--secret-file {args.secret_file} does not hold text: the "
+                             "secret is the line node 0 printed") from None
+        finally:
+            os.close(fd)
+        if not secret:
+            raise UsageError(f"--secret-file {args.secret_file} is empty: put the run's secret "
+                             "in it (the line node 0 printed), or leave the option out on node 0, "
+                             "which then makes one")
     else:
         secret = os.environ.get(SECRET_VARIABLE, "").strip()
     if secret:

@@ -8,6 +8,7 @@ The runs are made once, all at the same time (``host_runs``), and each
 test looks at what they did: an uninterrupted run, and one run for each
 way a node is lost (its cable cut, the machine killed or stopped, one of
 its workers killed or stopped), each struck in its second epoch."""
+import concurrent.futures
 import random
 import shlex
 import shutil
@@ -83,6 +84,13 @@ def strike(name, node0, node1, hosts, later=0.0):
     return time.monotonic()
 
 
+def time_to_stop(name, node0, node1, hosts):
+    """Seconds from ``name``'s strike at node 1 (``strike``) to node 0's end."""
+    struck = strike(name, node0, node1, hosts)
+    wait_for(lambda: node0.poll() is not None, 60, f"{name}: node 0 to stop")
+    return time.monotonic() - struck
+
+
 def run_on_hosts(folder):
     """Every run at once, two test hosts each: what each node printed, how
     it ended, how long after the fault node 0 stopped; then the cut cable's
@@ -103,6 +111,9 @@ def run_on_hosts(folder):
                             cwd=folder)
         env1["DUAL_MLP_SECRET"] = read_secret(whole0)
         whole1 = start_dual(*args1, *same, env=env1, host=pairs["whole"][1], cwd=folder)
+        # the others once it has compiled: they read its programs from XLA's cache
+        wait_for(lambda: next((l for l in iter(whole0.stdout.readline, "")
+                               if l.startswith("... training")), None), 120, "training")
         struck = {}
         for name in FAULTS:
             h = pairs[name]
@@ -113,17 +124,16 @@ def run_on_hosts(folder):
         restarted = [node(folder, h[i], h[0], i, "--epochs", EPOCHS, "--secret-file", "secret",
                           "--max-restarts", 1, *(("--save", "restarted.npz") if i == 0 else ()))
                      for i in (0, 1)]
-        at = {name: strike(name, node0, node1, pairs[name])
-              for name, (node0, node1) in struck.items()}
-        strike("restarted", *restarted, pairs["restarted"], random.uniform(0, 0.3))
-        ended = {}
-        while len(ended) < len(struck) and time.monotonic() < max(at.values()) + 60:
-            ended.update((name, time.monotonic()) for name, (node0, _) in struck.items()
-                         if name not in ended and node0.poll() is not None)
-            time.sleep(0.05)
+        # each struck as soon as it has trained its first epoch: the others train meanwhile
+        with concurrent.futures.ThreadPoolExecutor(len(struck) + 1) as pool:
+            killed = pool.submit(strike, "restarted", *restarted, pairs["restarted"],
+                                 random.uniform(0, 0.3))
+            took = dict(zip(struck, pool.map(lambda name: time_to_stop(
+                name, *struck[name], pairs[name]), struck)))
+            killed.result()
         for name, (node0, node1) in struck.items():
             code, _, err = finish(node0, timeout=1)
-            seen[name] = dict(code=code, took=ended[name] - at[name], err=err, out=node0.out)
+            seen[name] = dict(code=code, took=took[name], err=err, out=node0.out)
             pairs[name][1].signal(signal.SIGCONT)
             seen[name]["node1"] = finish(node1, timeout=60)[::2]
         seen["whole"] = [finish(p, timeout=120)[::2] for p in (whole0, whole1)]

@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 from multi_gpu import datasets, files, records
-from conftest import (SECRET, SHAPES, dual, finish, leftover_workers, start_dual,
-                      wait_for, wait_until_training, workers_of)
+from conftest import (SECRET, SHAPES, dual, finish, leftover_workers, refused, start_dual,
+                      wait_for, workers_of)
 from multi_gpu.nodes import free_port
 
 NOBODY = 65534
@@ -132,6 +132,27 @@ def test_a_weak_secret_is_one_line(no_leftovers):
         "characters"], out.stderr
 
 
+def test_a_secret_file_that_is_no_secret_is_refused_in_one_line(tmp_path, capsys):
+    """A folder, bytes that are not text, an empty file (node 0 would make
+    its own secret, and the nodes given the file be refused), the file
+    named as --trace too (the trace would overwrite the secret)."""
+    (tmp_path / "folder").mkdir(mode=0o700)
+    for name, content in (("binary", b"\xff\xfe" * 20), ("empty", b""), ("sec.json", SECRET)):
+        (tmp_path / name).write_bytes(content if isinstance(content, bytes) else
+                                      content.encode())
+        (tmp_path / name).chmod(0o600)
+    node0 = ("cpu", "--nodes", 2, "--coordinator", f"127.0.0.1:{free_port()}")
+    for args, words in (
+            (("--secret-file", tmp_path / "folder"), "must be a regular file of yours"),
+            (("--secret-file", tmp_path / "binary"), "does not hold text"),
+            (("--secret-file", tmp_path / "empty"), "is empty: put the run's secret in it"),
+            (("--secret-file", tmp_path / "sec.json", "--trace", tmp_path / "sec.json"),
+             "--trace " + str(tmp_path / "sec.json") + " is --secret-file's file")):
+        out = refused(capsys, *node0, *args)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, \
+            (args, out.stderr)
+
+
 def test_a_secret_file_others_can_read_is_refused(tmp_path, no_leftovers):
     secret = tmp_path / "secret"
     secret.write_text(SECRET)
@@ -142,17 +163,23 @@ def test_a_secret_file_others_can_read_is_refused(tmp_path, no_leftovers):
         in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
-def test_the_one_machine_coordinator_is_out_of_other_users_reach(no_leftovers):
+@pytest.mark.parametrize("named", [False, True])
+def test_the_one_machine_coordinator_is_out_of_other_users_reach(no_leftovers, named):
     """``--exchange xla`` on one machine: JAX's coordinator listens on a Unix
     socket inside the private run folder, not on a TCP port another user
-    could reach; as another user a connection to it fails, and the run
+    could reach, also where --coordinator names one on the loopback (which
+    the run says); as another user a connection to it fails, and the run
     goes on to its end."""
-    proc = start_dual("cpu", "cpu", "--exchange", "xla", "--epochs", 3)
+    address = ("--coordinator", f"127.0.0.1:{free_port()}") if named else ()
+    proc = start_dual("cpu", "cpu", "--exchange", "xla", "--epochs", 3, *address)
     try:
-        wait_until_training(proc)
+        said = wait_for(lambda: next((l for l in iter(proc.stdout.readline, "")
+                                      if l.startswith(("notice: --coordinator", "... training"))),
+                                     None), 60, "training")
+        assert said.startswith("notice: --coordinator 127.0.0.1:") == named, said
         _, folder = run_folder_of(proc)
         coordinator = os.path.join(folder, "coordinator.sock")
-        assert os.path.exists(coordinator)
+        wait_for(lambda: os.path.exists(coordinator), 60, "the coordinator's socket")
         if os.geteuid() == 0 and shutil.which("setpriv"):
             knock = as_nobody(their_python(), "-c", "import socket; s = socket.socket("
                               f"socket.AF_UNIX); s.connect({coordinator!r})")

@@ -3,6 +3,7 @@ before the run's node 1 comes (strangers, a node's odd messages, idle
 connections), then the run itself.  One run serves every test here: each
 looks at what the module's fixture saw at its own stage."""
 import json
+import os
 import socket
 import time
 
@@ -11,7 +12,7 @@ import pytest
 import zmq
 
 from conftest import (SECRET, finish, leftover_workers, made_once, run_directories, start_node,
-                      wait_for)
+                      wait_for, workers_of)
 from multi_gpu.nodes import curve_keys, free_port
 
 # what a node holding the run's secret might send node 0's lobby: each gets an answer
@@ -118,6 +119,12 @@ def meet_and_train(folder):
                                                  env={"DUAL_MLP_SECRET": secret}), timeout=60))
         idle, seen["growth"] = swell(launcher, port)
         node1 = start_node(port, 1, *same, env={"DUAL_MLP_SECRET": secret})
+        worker0 = wait_for(lambda: workers_of(node0), 60, "node 0's workers")[0]
+        folder0 = worker0.environ()["DUAL_MLP_RUN"]
+        seen["coordinator"] = wait_for(lambda: [c.laddr for c in worker0.net_connections("unix")
+                                                if c.laddr.startswith(folder0)], 120,
+                                       "JAX's coordinator on node 0's worker 0")
+        seen["folder0_mode"] = os.stat(folder0).st_mode & 0o777
         seen["nodes"] = [finish(node, timeout=300) for node in (node0, node1)]
     finally:
         for s in idle:
@@ -192,3 +199,12 @@ def test_each_node_traces_its_own_workers_beside_node_0s(two_nodes):
         document = json.loads((two_nodes["folder"] / path).read_text())
         assert set(spans(document)) == workers, path
         assert (two_nodes["folder"] / path).with_suffix(".png").stat().st_size > 10000
+
+
+def test_two_nodes_of_one_machine_meet_where_no_other_user_reaches(two_nodes):
+    """Both nodes on this machine (their --coordinator on the loopback):
+    JAX's coordinator listens on a Unix socket in node 0's private run
+    folder (mode 700), not on a TCP port any local user could connect to."""
+    trained(two_nodes)
+    assert [os.path.basename(a) for a in two_nodes["coordinator"]] == ["coordinator.sock"]
+    assert two_nodes["folder0_mode"] == 0o700

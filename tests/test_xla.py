@@ -197,6 +197,19 @@ def test_resumed_three_worker_run_equals_an_uninterrupted_one(tmp_path, exchange
     assert_identical_checkpoints(full, tmp_path / "resumed.npz", records.TRAINING_STATE)
 
 
+def test_every_option_is_compared_at_the_lobby_or_is_a_nodes_own():
+    """Each option of dual_mlp.py is classified once: what every node must
+    be given alike (compared at node 0's lobby, ``RUN_OPTIONS``) or a node's
+    own (``NODE_OWN``); an option added without a class fails here."""
+    import dual_mlp
+    from multi_gpu import launcher
+    options = set(vars(dual_mlp.parse_args([])))
+    compared, own = set(launcher.RUN_OPTIONS), set(launcher.NODE_OWN)
+    assert not compared & own
+    assert options - compared - own == set()
+    assert own <= options  # the run options may be derived (workers in all, platform)
+
+
 def test_bad_requests_for_many_workers_get_one_line_exit_2(tmp_path, no_leftovers, capsys):
     """The first request by the script, as typed; the others by its main()."""
     cases = [
@@ -207,6 +220,10 @@ def test_bad_requests_for_many_workers_get_one_line_exit_2(tmp_path, no_leftover
         (["cpu", "cpu", "--nodes", "2", "--node-rank", "2", "--coordinator", "h:1"],
          "--node-rank 2 is out of range: 0..1"),
         (["cpu", "cpu", "--nodes", "2"], "--nodes > 1 needs --coordinator HOST:PORT"),
+        (["cpu", "--nodes", "2", "--node-rank", "1", "--coordinator", "h:1", "--save",
+          tmp_path / "n1.npz"], "--save: node 0 keeps the run's checkpoint and summary"),
+        (["cpu", "--nodes", "2", "--node-rank", "1", "--coordinator", "h:1", "--json",
+          tmp_path / "n1.json"], "--json: node 0 keeps the run's checkpoint and summary"),
         (["cpu", "cpu", "--nodes", "2", "--coordinator", "10.0.0.1"], "expected HOST:PORT"),
         (["cpu", "cpu", "--coordinator", "host:99999"], "expected HOST:PORT"),
         (["cpu", "cpu", "--sync", "gpu"], "--sync gpu orders the exchange on GPU streams"),
