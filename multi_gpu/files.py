@@ -136,7 +136,7 @@ def atomic_write(path):
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, 0o666 & ~umask())  # as open() would have made it: the user's umask
         if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
             raise OSError(errno.EEXIST, "not a regular file, left as it is", path)
         os.replace(tmp, path)
@@ -151,6 +151,19 @@ def atomic_write(path):
 
 
 WRITING = set()  # the temporaries ``atomic_write`` is writing now
+
+
+def umask():
+    """This process's umask, read where it does not change it (Linux's
+    /proc): setting it to read it back would, for a moment, change the mode
+    of what another thread makes."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 def drop_unfinished_writes():

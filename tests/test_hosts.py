@@ -15,25 +15,21 @@ import shutil
 import signal
 import time
 
-import psutil
 import pytest
 
-from conftest import (assert_identical_checkpoints, finish, hosts_on_a_bridge, made_once,
-                      run_directories, start_dual, wait_for, why_no_test_hosts)
+from bench.hosts import FAULTS, hosts_on_a_bridge, why_no_test_hosts
+from bench.lost_node import stopped_after, strike
+from conftest import (assert_identical_checkpoints, finish, made_once, run_directories,
+                      start_dual, wait_for)
 
 pytestmark = pytest.mark.skipif(bool(why_no_test_hosts()), reason=str(why_no_test_hosts()))
 
 EPOCHS = 6  # the uninterrupted run's, and the resumed run's
-FAULTS = {  # what strikes node 1's test host, and the words node 0's last line names it by
-    "cut cable": (lambda host, worker: host.cut(), "lost: not heard from for"),
-    "killed node": (lambda host, worker: host.signal(signal.SIGKILL), "lost: not heard from for"),
-    "stopped node": (lambda host, worker: host.signal(signal.SIGSTOP),
-                     "lost: not heard from for"),
-    "killed worker": (lambda host, worker: worker.send_signal(signal.SIGKILL),
-                      ": worker 1 (device cpu) failed: killed by SIGKILL"),
-    "stopped worker": (lambda host, worker: worker.send_signal(signal.SIGSTOP),
-                       ": worker 1 (device cpu) stopped: silent for"),
-}
+NAMED = {  # the words node 0's last line names each of bench.hosts.FAULTS by
+    "cut cable": "lost: not heard from for", "killed node": "lost: not heard from for",
+    "stopped node": "lost: not heard from for",
+    "killed worker": ": worker 1 (device cpu) failed: killed by SIGKILL",
+    "stopped worker": ": worker 1 (device cpu) stopped: silent for"}
 
 
 def node(folder, host, coordinator, rank, *args, env=None):
@@ -71,24 +67,9 @@ def read_secret(node0):
     return line.split("DUAL_MLP_SECRET=")[1].split()[0]
 
 
-def strike(name, node0, node1, hosts, later=0.0):
-    """Once node 0 has trained an epoch (and ``later`` seconds more),
-    ``FAULTS[name]`` strikes node 1 (a restarted run: its worker is killed):
-    returns when it struck (monotonic seconds)."""
-    wait_for(lambda: next((l for l in iter(node0.stdout.readline, "")
-                           if l.startswith("epoch 1/")), None), 120, f"{name}: epoch 1")
-    worker = wait_for(lambda: [p for p in psutil.Process(node1.pid).children()
-                               if "--worker" in p.cmdline()], 10, "node 1's worker")[0]
-    time.sleep(later)
-    FAULTS.get(name, FAULTS["killed worker"])[0](hosts[1], worker)
-    return time.monotonic()
-
-
 def time_to_stop(name, node0, node1, hosts):
     """Seconds from ``name``'s strike at node 1 (``strike``) to node 0's end."""
-    struck = strike(name, node0, node1, hosts)
-    wait_for(lambda: node0.poll() is not None, 60, f"{name}: node 0 to stop")
-    return time.monotonic() - struck
+    return stopped_after(node0, strike(name, node0, node1, hosts))
 
 
 def run_on_hosts(folder):
@@ -126,7 +107,7 @@ def run_on_hosts(folder):
                      for i in (0, 1)]
         # each struck as soon as it has trained its first epoch: the others train meanwhile
         with concurrent.futures.ThreadPoolExecutor(len(struck) + 1) as pool:
-            killed = pool.submit(strike, "restarted", *restarted, pairs["restarted"],
+            killed = pool.submit(strike, "killed worker", *restarted, pairs["restarted"],
                                  random.uniform(0, 0.3))
             took = dict(zip(struck, pool.map(lambda name: time_to_stop(
                 name, *struck[name], pairs[name]), struck)))
@@ -191,7 +172,7 @@ def test_a_lost_node_is_named_by_the_other_within_15_s(host_runs, fault):
     lines = seen["err"].strip().splitlines()
     assert len(lines) == 1, seen["err"]
     line = lines[0]
-    assert line.startswith(f"error: node 1 ({node1})") and FAULTS[fault][1] in line, line
+    assert line.startswith(f"error: node 1 ({node1})") and NAMED[fault] in line, line
     assert " at epoch " in line and ", step " in line and "; resume (epoch " in line
     assert line.endswith(f" --resume {checkpoint(fault)}") and "python dual_mlp.py " in line
     assert len(line) <= 300, len(line)

@@ -627,3 +627,19 @@ def test_a_deep_tmpdir_with_a_full_dev_shm_moves_the_sockets_to_tmp(tmp_path, no
     assert out.returncode == 0, out.stderr
     assert f"notice: {deep} is too deep a folder for the run's sockets" in out.stdout
     assert not list(deep.iterdir())
+
+
+@pytest.mark.parametrize("mask,mode", [(0o077, 0o600), (0o022, 0o644), (0o002, 0o664)])
+def test_an_output_takes_the_mode_the_users_umask_gives(tmp_path, mask, mode):
+    """Every output is written through ``files.atomic_write`` (checkpoints,
+    summaries, traces and their pictures, data files): its mode is what the
+    user's umask gives a new file, as ``open()`` would make it, not 0644."""
+    from multi_gpu import files
+    old = os.umask(mask)
+    try:
+        assert files.umask() == mask
+        with files.atomic_write(tmp_path / "out.json") as f:
+            f.write(b"{}")
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "out.json").st_mode & 0o777 == mode

@@ -206,5 +206,5 @@ def test_two_nodes_of_one_machine_meet_where_no_other_user_reaches(two_nodes):
     JAX's coordinator listens on a Unix socket in node 0's private run
     folder (mode 700), not on a TCP port any local user could connect to."""
     trained(two_nodes)
-    assert [os.path.basename(a) for a in two_nodes["coordinator"]] == ["coordinator.sock"]
+    assert {os.path.basename(a) for a in two_nodes["coordinator"]} == {"coordinator.sock"}
     assert two_nodes["folder0_mode"] == 0o700
