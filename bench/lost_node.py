@@ -100,11 +100,11 @@ def table(document):
     lines = [f"{measured_by(document)}: two test hosts (network namespaces), `cpu --nodes 2`, "
              "a fault striking node 1 after node 0's first epoch, a run each; the seconds "
              "until node 0 ended, and its last line.", "",
-             "| fault at node 1 | node 0 ended after | exit | node 0's last line |",
+             "| fault at node 1 | node 0's last line | exit | node 0 ended after |",
              "| --- | --- | --- | --- |"]
     for f in document["figures"]:
         took = "did not end" if f["stopped_after_s"] is None else f"{f['stopped_after_s']:.1f} s"
-        lines.append(f"| {f['fault']} | {took} | {f['exit_code']} | `{f['last_line']}` |")
+        lines.append(f"| {f['fault']} | `{f['last_line']}` | {f['exit_code']} | {took} |")
     return "\n".join(lines)
 
 
