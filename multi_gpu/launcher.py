@@ -37,7 +37,7 @@ from multi_gpu import cli, datasets, devices, files, records
 from multi_gpu.cli import UsageError
 from multi_gpu.nodes import LOST_AFTER, check_port, free_port, host_and_port, on_loopback
 from multi_gpu.trainer import steps_per_epoch
-from multi_gpu.worker import (FINISHED, RUN_FOLDER_VARIABLE, fault_point, fault_spec_problem,
+from multi_gpu.worker import (RUN_FOLDER_VARIABLE, fault_point, fault_spec_problem,
                               heartbeat_path, request_stop, stopping)
 
 
@@ -507,13 +507,16 @@ class Worker:
 
     def stalled(self, rundir, patience):
         """Has its heartbeat (``worker.Watchdog``) been still for ``patience``
-        seconds, before it finished?  Never before its first beat."""
+        seconds while it trains (its heartbeat names a step)?  Before its
+        first step --timeout governs, as it does meeting and compiling, where
+        a call into JAX may hold Python's lock for seconds; after its last, it
+        only exits."""
         path = heartbeat_path(rundir, self.rank)
         try:
             if time.time() - os.stat(path).st_mtime < patience:
                 return False
             with open(path) as f:
-                return not f.read(32).startswith(FINISHED)
+                return len(f.read(32).split()) == 2  # "EPOCH STEP", not "done" or nothing
         except OSError:
             return False
 
@@ -750,7 +753,7 @@ def supervise(args, shapes, script, rundir, link):
             if args.node_rank and not order:
                 why = link.verdict() or why
                 break
-            resumed = follow(args, order) if order else restart_point(args, shapes)
+            resumed = follow(args, order, shapes) if order else restart_point(args, shapes)
         except (UsageError, records.CheckpointError) as e:
             why += f"; no restart: {e}"
             break
@@ -785,12 +788,20 @@ def restart_point(args, shapes):
     return resumed_at(args)
 
 
-def follow(args, order):
+def follow(args, order, shapes):
     """Node R > 0: make the request resume where node 0's ``order`` says,
-    from the bytes of node 0's checkpoint.  Returns where, in words."""
+    from the bytes of node 0's checkpoint, checked here as a file given to
+    --resume is (a checkpoint of this model, at the epoch the order names).
+    Returns where, in words."""
     args.jax_coordinator, args.resume_epoch = order["jax_coordinator"], order["resume_epoch"]
     args.checked_resume = order["checkpoint"] and base64.b64decode(order["checkpoint"])
     args.resume = "node 0's checkpoint" if order["checkpoint"] else None
+    if args.resume:
+        _, _, state = records.load_checkpoint(args.resume, shapes, records.TRAINING_STATE,
+                                              raw=args.checked_resume)
+        if state["epoch"] != args.resume_epoch:
+            raise records.CheckpointError(f"node 0's checkpoint is at epoch {state['epoch']}, "
+                                          f"its order says {args.resume_epoch}")
     return resumed_at(args)
 
 

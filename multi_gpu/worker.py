@@ -191,7 +191,7 @@ class Watchdog:
         launcher does not watch."""
         self.trainer = None
         with contextlib.suppress(OSError, AttributeError):
-            os.pwrite(self.beat.fileno(), FINISHED.ljust(32).encode(), 0)
+            os.pwrite(self.beat.fileno(), b"done".ljust(32), 0)
 
     def say_where(self):
         if not (self.trainer and self.beat):
@@ -212,9 +212,6 @@ def folder_vanished(rank, rundir):
           "it (a cleaner of temporary files?): the run cannot go on", file=sys.stderr,
           flush=True)
     quit_now(1)
-
-
-FINISHED = "done"  # a heartbeat file's words once its worker has only its exit left
 
 
 def heartbeat_path(rundir, rank):
