@@ -675,21 +675,11 @@ def main(argv=None):
                                            launcher.trace_picture(args.trace),
                                            room=records.checkpoint_bytes(shapes)))
             rundir, folder_notice = launcher.run_folder(args, shapes)
-            if args.exchange == "xla" and not args.jax_coordinator:  # one machine
+            if args.exchange == "xla" and not args.jax_coordinator and not args.node_rank:
                 args.jax_coordinator = launcher.private_coordinator(rundir)
-            link = nodes.Alone()
-            if args.nodes > 1:  # the others prove they belong here: they hold the run's secret
-                secret, notice = nodes.run_secret(args)
-                notices.append(notice)
-            if args.nodes > 1 and args.node_rank == 0:
-                link = run.enter_context(nodes.Lobby(
-                    args.coordinator, functools.partial(launcher.differences, args.run_options,
-                                                        keys=launcher.RUN_OPTIONS),
-                    args.nodes, secret, args.jax_coordinator))
-            elif args.nodes > 1:
-                link = run.enter_context(nodes.Member(args.coordinator, args.node_rank,
-                                                      args.run_options, args.timeout, secret))
-                args.jax_coordinator = link.jax_coordinator
+            link, notice = nodes.meet(args, functools.partial(
+                launcher.differences, args.run_options, keys=launcher.RUN_OPTIONS), run)
+            notices.append(notice)
         except (launcher.UsageError, datasets.DatasetError, records.CheckpointError,
                 nodes.NoAnswer) as e:
             cli.say(f"dual_mlp.py: error: {e}", file=sys.stderr)

@@ -7,7 +7,9 @@
 ``links``            the zmq links between workers, the transports through host memory,
                      the XLA exchange (JAX's distributed runtime)
 ``devices``          where a worker's arrays live: the CPU, a JAX device, a GPU
-``launcher``         the launcher's side: checks, starts and supervises the workers
+``launcher``         the launcher's side: checks, starts and supervises (and restarts) the
+                     workers
+``nodes``            several machines: the run's secret, node 0's lobby, the nodes' heartbeats
 ``worker``           the worker's side: stop signals, orphans, the watchdog
 ``report``           worker 0's words: the summary, a run that diverged
 ``records``          what a run leaves: checkpoints, the learning curve, the JSON summary

@@ -5,10 +5,11 @@ any process starts, and refused in one line (``UsageError``; the caller
 exits 2).  Then ``launch`` starts one worker process per local device, each
 seeing its own GPU only, passes their error output through, and if one
 fails stops the others at once (SIGTERM, then SIGKILL after two seconds)
-and names the worker and the line of its output that says what went wrong.
-Node 0 of a run on several machines keeps a ``Lobby`` that lets in only the
-nodes of its own run.  ``worker.py`` is the other side of the process
-boundary.
+and names the worker and the line of its output that says what went wrong,
+or, where ``--max-restarts`` allows, starts them all again (``supervise``).
+Where the run has several nodes, it hears from the others through
+``nodes.py`` (node 0's lobby, the heartbeats).  ``worker.py`` is the other
+side of the process boundary.
 """
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags, before PyTensor
 import base64

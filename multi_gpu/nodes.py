@@ -445,3 +445,22 @@ class Member(Heartbeats):
     def __exit__(self, *exc):
         self.close()
         self.context.term()
+
+
+def meet(args, judge, stack):
+    """How this node hears from the other nodes of its run: ``Alone`` where
+    there are none; on node 0, its ``Lobby`` at --coordinator, which lets in
+    the nodes whose options ``judge`` finds nothing to say of; on any other,
+    its membership of that lobby, which tells it where JAX's coordinator
+    listens.  The lobby and the membership close with ``stack``.  Returns
+    (the link, a notice: the secret node 0 made, where it made one)."""
+    if args.nodes == 1:
+        return Alone(), None
+    secret, notice = run_secret(args)  # the others prove they belong here: they hold it
+    if args.node_rank == 0:
+        return stack.enter_context(Lobby(args.coordinator, judge, args.nodes, secret,
+                                         args.jax_coordinator)), notice
+    member = stack.enter_context(Member(args.coordinator, args.node_rank, args.run_options,
+                                        args.timeout, secret))
+    args.jax_coordinator = member.jax_coordinator
+    return member, notice
