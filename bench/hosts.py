@@ -31,6 +31,12 @@ class Host:
     def __init__(self, name, interface, address):
         self.name, self.interface, self.address = name, interface, address
 
+    def runs(self, command):
+        """``command`` (a list of words) as this host runs it: in its namespace,
+        gloo on its interface."""
+        return ["ip", "netns", "exec", self.name, "env", f"GLOO_SOCKET_IFNAME={self.interface}",
+                *command]
+
     def cut(self):
         """Its cable cut: its interface down."""
         ip("-n", self.name, "link", "set", self.interface, "down")
@@ -91,3 +97,10 @@ FAULTS = {
     "killed worker": lambda host, worker: os.kill(worker, signal.SIGKILL),
     "stopped worker": lambda host, worker: os.kill(worker, signal.SIGSTOP),
 }
+
+
+def two_nodes(node0, rank):
+    """README.md's arguments for node ``rank`` of a run of two CPU machines,
+    one worker each, node 0 on test host ``node0``."""
+    return ["cpu", "--nodes", "2", "--node-rank", str(rank), "--coordinator",
+            f"{node0.address}:29500"]

@@ -20,7 +20,7 @@ import tempfile
 import time
 
 from bench.common import RESULTS, load, measured_by, parse_args, record
-from bench.hosts import FAULTS, hosts_on_a_bridge, why_no_test_hosts
+from bench.hosts import FAULTS, hosts_on_a_bridge, two_nodes, why_no_test_hosts
 from multi_gpu.cli import Parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,10 +30,8 @@ SECRET = "the secret of a lost-node benchmark's runs"
 def start_node(host, node0, rank, folder, *args):
     """README.md's command for node ``rank`` of two, in test host ``host``."""
     return subprocess.Popen(
-        ["ip", "netns", "exec", host.name, "env", f"GLOO_SOCKET_IFNAME={host.interface}",
-         sys.executable, os.path.join(ROOT, "dual_mlp.py"), "cpu", "--nodes", "2",
-         "--node-rank", str(rank), "--coordinator", f"{node0.address}:29500", *args],
-        cwd=folder, env=dict(os.environ, DUAL_MLP_SECRET=SECRET), text=True,
+        host.runs([sys.executable, os.path.join(ROOT, "dual_mlp.py"), *two_nodes(node0, rank),
+                   *args]), cwd=folder, env=dict(os.environ, DUAL_MLP_SECRET=SECRET), text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 

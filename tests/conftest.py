@@ -119,9 +119,8 @@ def start_dual(*args, env=None, cwd=ROOT, mine=True, host=None):
     as one of the tests' runs (else as a run of someone else's); ``host``:
     in that test host (``bench.hosts.Host``), with gloo on its interface."""
     env = environment(env) if mine else dict(os.environ, **(env or {}))
-    where = ["ip", "netns", "exec", host.name, "env", f"GLOO_SOCKET_IFNAME={host.interface}"] \
-        if host else []
-    proc = subprocess.Popen([*where, sys.executable, str(ROOT / "dual_mlp.py"), *map(str, args)],
+    command = [sys.executable, str(ROOT / "dual_mlp.py"), *map(str, args)]
+    proc = subprocess.Popen(host.runs(command) if host else command,
                             cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
     STARTED.append(proc)

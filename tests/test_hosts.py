@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from bench.hosts import FAULTS, hosts_on_a_bridge, why_no_test_hosts
+from bench.hosts import FAULTS, hosts_on_a_bridge, two_nodes, why_no_test_hosts
 from bench.lost_node import stopped_after, strike
 from conftest import (assert_identical_checkpoints, finish, made_once, run_directories,
                       start_dual, wait_for)
@@ -36,8 +36,7 @@ def node(folder, host, coordinator, rank, *args, env=None):
     """README's command for node ``rank`` of a run of two CPU machines, in
     ``host`` (in ``folder``, which its paths are relative to): node 0 at
     ``coordinator``, one worker each."""
-    return start_dual("cpu", "--nodes", 2, "--node-rank", rank, "--coordinator",
-                      f"{coordinator.address}:29500", *args, env=env, host=host, cwd=folder)
+    return start_dual(*two_nodes(coordinator, rank), *args, env=env, host=host, cwd=folder)
 
 
 def checkpoint(fault):
