@@ -144,10 +144,12 @@ class Model:
         return [np.array(p.get_value()) for p in self.params]
 
     def set_params(self, values, put=np.asarray):
-        """Set the weights; ``put`` places each array where the backend
-        computes (``jax.device_put`` for a GPU), so it stays there."""
+        """Set the weights to copies of ``values`` (as ``set_value`` does: a
+        backend that updates its weights in place must not change the
+        caller's); ``put`` places each where the backend computes
+        (``jax.device_put`` for a GPU), so it stays there."""
         for p, v in zip(self.params, values):
-            p.container.storage[0] = put(np.asarray(v, dtype=p.dtype))
+            p.container.storage[0] = put(np.array(v, dtype=p.dtype))
 
     def warm_up(self, *more, put=np.asarray):
         """Call every compiled function once (and ``more``), then put the

@@ -256,6 +256,15 @@ def backed_by(raw, path, splits):
                                f"{a.nbytes:,} bytes, and the file holds {len(raw):,}")
 
 
+def not_a_data_set(path):
+    """What a file that is no pickle is told: what a data set is here."""
+    name = os.path.basename(path)
+    if name in IDX_FILES or name + ".gz" in IDX_FILES:
+        return f"{path}: one IDX file: --dataset takes the folder of all four"
+    return (f"{path}: not a data set: --dataset takes the tutorial's mnist.pkl.gz (a pickle) "
+            "or a folder of the four IDX files of MNIST or Fashion-MNIST")
+
+
 def read_pickle(path):
     """The tutorial's format; its Python 2 pickles need latin1 for numpy.  It
     declares no size before its arrays, so its content may take at most a
@@ -267,6 +276,8 @@ def read_pickle(path):
     except DatasetError:
         raise
     except pickle.UnpicklingError as e:
+        if str(e).startswith("invalid load key"):  # not a pickle at all
+            raise DatasetError(not_a_data_set(path)) from None
         raise DatasetError(f"{path}: refused: {e}") from None
     except Exception as e:  # a damaged pickle can raise almost anything
         raise DatasetError(f"{path}: not a readable pickle ({type(e).__name__})") from None

@@ -91,8 +91,12 @@ def run(script, train, dataset, outputs=None, shapes=None):
         with records.hold(*outputs.values(), room=room), \
                 tempfile.TemporaryDirectory() as sources, \
                 cli.on_quit(lambda: shutil.rmtree(sources, ignore_errors=True)):
-            tempfile.tempdir = sources  # PyTensor's compiled graphs' sources, which it leaves
-            train()
+            # PyTensor's compiled graphs' sources, which it leaves, go with the folder
+            before, tempfile.tempdir = tempfile.tempdir, sources
+            try:
+                train()
+            finally:
+                tempfile.tempdir = before
     except (DatasetError, records.CheckpointError) as e:
         print(f"{script}: error: {e}", file=sys.stderr)
         return 2

@@ -220,3 +220,20 @@ def test_an_idx_header_whose_size_wraps_around_is_refused(tmp_path):
                              r"18,446,744,073,709,551,616 values, more than this machine's "
                              r"memory can hold"):
         datasets.read_idx(str(path))
+
+
+@pytest.mark.parametrize("name", ["dual_mlp.py", "mlp.py"])
+def test_a_file_that_is_no_data_set_is_told_what_a_data_set_is(name, capsys):
+    """README.md, or one IDX file of the four: what --dataset takes, not
+    pickle's words (by the script's main())."""
+    from conftest import ROOT, refused
+    for path, words in ((ROOT / "README.md", "not a data set: --dataset takes the tutorial's "
+                         "mnist.pkl.gz (a pickle) or a folder of the four IDX files"),
+                        (FASHION / "train-labels-idx1-ubyte.gz",
+                         "one IDX file: --dataset takes the folder of all four")):
+        if not path.exists():
+            continue  # Fashion-MNIST: where Debian's package is installed
+        out = refused(capsys, "--dataset", path, name=name)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, out.stderr
+        assert lines[0].startswith(f"{name}: error: {path}: {words}"), out.stderr

@@ -155,6 +155,19 @@ def test_after_the_warm_up_the_jax_step_does_not_compile_again():
     assert not [m for m in compiled if "Compiling" in m], compiled
 
 
+def test_the_warm_up_leaves_the_initial_weights_bit_for_bit():
+    """The warm-up's step is undone, bit for bit.  set_params copies, as
+    set_value does: it kept the caller's arrays, which a backend that
+    updates its weights in place then changed (PyTensor's Python linker:
+    training started a step late).  Numba's first epoch against JAX's:
+    test_cpu_workers_compile_with_jax_and_keep_it_numba_one_flag_away."""
+    model = mlp.Model(load_data(datasets.SHIPPED), 20, mode="JAX")
+    before = model.get_params()
+    model.warm_up()
+    for a, b in zip(before, model.get_params()):
+        assert np.array_equal(a, b)
+
+
 def test_gpu_ordered_step_is_the_tutorial_step_where_the_peer_holds_the_same_weights():
     """The JAX side of ``--sync gpu`` (flat weights, the minibatch picked by a
     counter in the donated state, K steps a call), run on JAX's CPU with an
