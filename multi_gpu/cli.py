@@ -277,7 +277,8 @@ def compiled(seconds, before):
                 f"{seconds:.1f} s, nothing compiled ({counted(hits, 'program')} read in "
                 f"{devices.CACHE['loading_s'] - before.get('loading_s', 0):.1f} s)")
     cached = f" ({hits} of {counted(hits + misses, 'program')} from XLA's cache)" if hits else ""
-    return f"compiled in {seconds:.1f} s{cached}"
+    problem = devices.cache_problem()
+    return f"compiled in {seconds:.1f} s{cached}" + (f"; note: {problem}" if problem else "")
 
 
 def counted(n, one, many=None):

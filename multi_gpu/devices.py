@@ -348,7 +348,38 @@ def keep_compiled_programs(jax):
             if event == "/jax/compilation_cache/cache_retrieval_time_sec":
                 CACHE["loading_s"] += seconds
         jax.monitoring.register_event_duration_secs_listener(loading)
-        every_cpu_process_keeps_its_programs(jax)
+        global CACHE_PROBLEM
+        CACHE_PROBLEM = every_cpu_process_keeps_its_programs(jax)
+
+
+CACHE_PROBLEM = None  # why not every CPU process keeps its own programs, where they do not
+
+
+def cache_problem():
+    """What XLA's cache cannot do for this process, in words, where it
+    matters: a CPU worker of JAX's distributed runtime (None elsewhere)."""
+    if CACHE_PROBLEM is None:
+        return None
+    from jax._src import distributed
+    return CACHE_PROBLEM if distributed.global_state.client is not None else None
+
+
+def cache_writer_problem(jax):
+    """Why JAX's private writer of its persistent cache is not one
+    ``every_cpu_process_keeps_its_programs`` can wrap, in words (None where
+    it is: its arguments are JAX 0.10's, or 0.12's, which dropped the
+    program's host callbacks)."""
+    import inspect
+
+    from jax._src import compiler
+    write = getattr(compiler, "_cache_write", None)
+    known = ["cache_key", "compile_time_secs", "module_name", "backend", "executable"]
+    if write is not None and list(inspect.signature(write).parameters) in (
+            known, known + ["host_callbacks"]):
+        return None
+    return (f"JAX {jax.__version__}'s private jax._src.compiler._cache_write is not the "
+            "writer this demo wraps: under --exchange xla on CPUs every worker but the first "
+            "compiles its programs again on every run")
 
 
 def every_cpu_process_keeps_its_programs(jax):
@@ -360,30 +391,28 @@ def every_cpu_process_keeps_its_programs(jax):
     of its own and compiled all its programs again on every run (a
     two-worker run on two cores: 7.4 s, and 4.6 s once each keeps its own).
     Here each CPU process writes its own, by a wrapper around JAX's private
-    writer; where that is not the writer expected (another JAX), they
-    compile as before."""
-    import inspect
-
+    writer; where that is not the writer expected (``cache_writer_problem``:
+    another JAX), they compile as before, and this returns why, in words."""
     from jax._src import compilation_cache, compiler, distributed
-    write = getattr(compiler, "_cache_write", None)
-    if write is None or list(inspect.signature(write).parameters) != [
-            "cache_key", "compile_time_secs", "module_name", "backend", "executable",
-            "host_callbacks"]:
-        return
+    problem = cache_writer_problem(jax)
+    if problem:
+        return problem
+    write = compiler._cache_write
 
     def own_programs_too(cache_key, compile_time_secs, module_name, backend, executable,
-                         host_callbacks):
+                         *host_callbacks):  # JAX 0.10: one more, the program's callbacks
         if distributed.global_state.process_id == 0 or backend.platform != "cpu" or \
-                host_callbacks or \
+                any(host_callbacks) or \
                 compile_time_secs < jax.config.jax_persistent_cache_min_compile_time_secs:
             return write(cache_key, compile_time_secs, module_name, backend, executable,
-                         host_callbacks)
+                         *host_callbacks)
         try:
             compilation_cache.put_executable_and_time(cache_key, module_name, executable,
                                                       backend, int(compile_time_secs))
         except Exception as e:  # as JAX's own writer: a cache that fails costs a compile
             warnings.warn(f"XLA's cache kept no copy of {module_name}: {e}")
     compiler._cache_write = own_programs_too
+    return None
 
 
 @contextlib.contextmanager

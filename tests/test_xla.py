@@ -110,6 +110,15 @@ def test_several_steps_per_call_take_the_same_steps_as_one(tmp_path, three_by_xl
     np.testing.assert_allclose(many["validation_errors"], one["validation_errors"], atol=0.002)
 
 
+def test_this_jax_lets_every_cpu_worker_keep_its_own_programs():
+    """The private writer of XLA's cache the demo wraps is there, as the demo
+    knows it (JAX 0.10 to 0.12): on another JAX this fails, and a run says
+    what it loses in its "compiled" line."""
+    import jax
+    from multi_gpu import devices
+    assert devices.cache_writer_problem(jax) is None
+
+
 def test_xla_with_two_workers_follows_the_p2p_exchange_and_each_keeps_its_programs(tmp_path):
     """Two workers under xla train as under p2p.  XLA's cache, empty at
     first, then holds each worker's programs, for the next run (JAX alone
