@@ -587,7 +587,8 @@ def worker(args, rank, world, dev, rundir, watchdog):
     """One worker, start to end: its device, the data, the model, the
     trainer of the ordering asked for, the epochs; worker 0 validates,
     keeps the checkpoint and reports."""
-    say = print if rank == 0 else (lambda *a, **k: None)  # only global rank 0 prints
+    # worker 0 speaks for the run, the first worker of each other node for its node
+    say = print if rank % len(args.devices) == 0 else (lambda *a, **k: None)
     with ExitStack() as cleanup:
         # JAX's distributed runtime must start before anything else touches JAX
         xla = XlaExchange(args.jax_coordinator, world, rank, args.timeout, dev == "cpu",
@@ -630,7 +631,9 @@ def worker(args, rank, world, dev, rundir, watchdog):
             trainer.epoch(n_steps)
             epoch_time = time.perf_counter() - epoch_start
             progress.trained(n_steps, epoch_time)
-            if rank != 0:
+            if rank != 0:  # worker 0 validates and keeps the checkpoint
+                say(report.trained(args, epoch, n_steps, world * n_steps * args.batch_size /
+                                   epoch_time))
                 continue
             trainer.to_model()
             report.check_finite(model.get_params(), epoch, args.learning_rate, args.l1, args.l2)
@@ -670,7 +673,7 @@ def main(argv=None):
         try:
             shapes = mlp.parameter_shapes(datasets.N_PIXELS, args.n_hidden, datasets.N_CLASSES)
             notices = launcher.check_request(args, shapes, BATCH_SIZE, SHIPPED_BATCH_SIZE,
-                                             STEPS_PER_CALL)
+                                             STEPS_PER_CALL, EPOCHS)
             run.enter_context(records.hold(args.save, args.json, args.trace,
                                            launcher.trace_picture(args.trace),
                                            room=records.checkpoint_bytes(shapes)))
@@ -684,13 +687,13 @@ def main(argv=None):
                 nodes.NoAnswer) as e:
             cli.say(f"dual_mlp.py: error: {e}", file=sys.stderr)
             return 1 if isinstance(e, nodes.NoAnswer) else 2
-        for notice in notices + [folder_notice] if args.node_rank == 0 else []:  # one node speaks
+        # node 0 speaks for the run; every other node says that it joined
+        for notice in notices + [folder_notice] if args.node_rank == 0 else [notice]:
             if notice:
                 cli.say(notice, file=sys.stderr if notice.startswith("warning:") else sys.stdout)
         code = launcher.supervise(args, shapes, os.path.abspath(__file__), rundir, link)
-    if code == 0 and args.node_rank == 0:
-        cli.say(f"total wall time {time.perf_counter() - started:.1f} s (start-up and compile "
-                "included)")
+    if code == 0:
+        cli.say(report.ended(args, time.perf_counter() - started))
     return code
 
 
@@ -702,8 +705,9 @@ def parse_args(argv=None):
                    help="one worker per device, at least two, each a GPU index or 'cpu' "
                         "(default: 0 1 when two GPUs are usable, else cpu cpu); '0 0' puts "
                         "two workers on one GPU")
-    p.add_argument("--epochs", type=cli.positive_int, default=EPOCHS,
-                   help="passes over the training set (default: %(default)s)")
+    p.add_argument("--epochs", type=cli.positive_int,
+                   help=f"passes over the training set (default: {EPOCHS}; with --resume, "
+                        "those the checkpoint's run asked for)")
     p.add_argument("--batch-size", type=cli.positive_int, default=None,
                    help=f"minibatch size per worker (default: {BATCH_SIZE}; "
                         f"{SHIPPED_BATCH_SIZE} on the shipped digits)")
@@ -756,7 +760,7 @@ def parse_args(argv=None):
                         "workers, node R > 0 into PATH.nodeR.json")
     p.add_argument("--trace-from", type=cli.positive_int, metavar="EPOCH",
                    help="--trace: the epoch whose first step the window starts at (default: "
-                        "2, after compiling and warming up; 1 for a run of one epoch)")
+                        "the second this run trains, after compiling and warming up)")
     p.add_argument("--trace-steps", type=cli.positive_int, metavar="N",
                    help="--trace: steps in the window (default: 50)")
     p.add_argument("--check", action="store_true", help="after every average, measure how "

@@ -203,35 +203,50 @@ def option_name(key):
 
 def differences(theirs, mine, keys):
     """'--batch-size 100 there, 50 here; ...' for the keys whose values differ."""
+    differ = [k for k in keys if theirs.get(k) != mine.get(k)]
+    if "local_workers" in differ:  # the rest follow from it (workers in all, steps a call)
+        return (f"workers per node {theirs['local_workers']} there, {mine['local_workers']} "
+                "here (every node gives the same number of devices)")
     return "; ".join(f"{option_name(k)} {theirs.get(k)} there, {mine.get(k)} here"
-                     for k in keys if theirs.get(k) != mine.get(k))
+                     for k in differ)
 
 
-def check_resume(args, shapes):
+def check_resume(args, shapes, epochs=None):
     """The checkpoint fits the model's parameter ``shapes``, is not finished,
     and was trained as this run asks (the learning rate may change, with a
-    notice); returns a notice."""
+    notice).  Without --epochs, the run goes on to the epochs the
+    checkpoint's run asked for (``epochs``, the default, where it does not
+    say), and says so.  Returns the notices."""
     # read once (a FIFO refused before it is opened), checked, and handed to the
     # workers as that one version (``launch``), whatever writes the file meanwhile
     args.checked_resume = records.read_checkpoint(args.resume, shapes)
     _, _, state = records.load_checkpoint(args.resume, shapes, records.TRAINING_STATE,
                                           raw=args.checked_resume)
+    saved, notices = state.get("config"), []
+    asked = (saved or {}).get("epochs")
+    if args.epochs is None:
+        known = type(asked) is int and asked > state["epoch"]
+        args.epochs = asked if known else epochs
+        notices.append(f"notice: --resume {args.resume}: trains on to epoch {args.epochs}, "
+                       + ("as its run asked" if known else "the default") + " (see --epochs)")
     if state["epoch"] >= args.epochs:
         raise UsageError(f"{args.resume} is already at epoch {state['epoch']}: "
                          f"ask for more --epochs")
     args.resume_epoch = state["epoch"]
-    saved = state.get("config")
     if saved is not None:
         saved.setdefault("average_every", 1)  # checkpoints from before --average-every
         odd = [k for k in TRAINED_WITH if not isinstance(saved.get(k), CONFIG_KINDS[k])
-               or isinstance(saved.get(k), bool)] + sorted(set(saved) - set(TRAINED_WITH))
+               or isinstance(saved.get(k), bool)] + sorted(set(saved) - set(TRAINED_WITH) -
+                                                          {"epochs"})
+        if asked is not None and type(asked) is not int:
+            odd.append("epochs")
         if odd:
             raise records.CheckpointError(
                 f"{args.resume}: its config has {odd[0]} = {saved.get(odd[0])!r}, not one this "
                 "demo writes: not a checkpoint of dual_mlp.py")
     if saved is None:
-        return (f"notice: {args.resume} does not record how it was trained (an older "
-                "checkpoint): resuming with the options given")
+        return notices + [f"notice: {args.resume} does not record how it was trained (an "
+                          "older checkpoint): resuming with the options given"]
     if not saved["dataset"].startswith(datasets.FINGERPRINT):
         raise UsageError(f"{args.resume} was written by an older version of the demo, whose "
                          "data set fingerprint sampled 256 rows: this one cannot tell whether "
@@ -242,9 +257,9 @@ def check_resume(args, shapes):
                          f"{differences(saved, args.trained_with, fixed)} (the checkpoint "
                          "there, this run here): resume with its options, or start anew")
     if saved["learning_rate"] != args.learning_rate:
-        return (f"notice: the learning rate changes from {saved['learning_rate']} to "
-                f"{args.learning_rate} at epoch {state['epoch'] + 1}")
-    return None
+        notices.append(f"notice: the learning rate changes from {saved['learning_rate']} to "
+                       f"{args.learning_rate} at epoch {state['epoch'] + 1}")
+    return notices
 
 
 def check_outputs(args):
@@ -276,13 +291,13 @@ def trace_picture(path):
 
 def check_trace(args, n_steps):
     """The window of --trace: --trace-from an epoch this run trains (default
-    the second, the first of a one-epoch run), --trace-steps within the run;
-    returns the notices."""
+    the second it trains, a resumed run's too; its only one, of a run of
+    one), --trace-steps within the run; returns the notices."""
     if not args.trace:
         if args.trace_from or args.trace_steps:
             raise UsageError("--trace-from and --trace-steps choose what --trace PATH records")
         return []
-    epoch = args.trace_from or min(2, args.epochs)
+    epoch = args.trace_from or min(args.resume_epoch + 2, args.epochs)
     if not args.resume_epoch < epoch <= args.epochs:
         raise UsageError(f"--trace-from {epoch}: the run trains epochs {args.resume_epoch + 1} "
                          f"to {args.epochs}")
@@ -368,12 +383,13 @@ def check_xla_flags():
                          "--xla_force_host_platform_device_count=2)")
 
 
-def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
+def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call, epochs):
     """Resolve defaults and check every input; returns the notices to print.
     ``shapes`` are the model's parameters' (a checkpoint must hold them),
     ``batch_size`` is the default per worker, ``shipped_batch_size`` the one
     on the shipped digits (too few for two minibatches of the default),
-    ``steps_per_call`` the default of the device-ordered exchanges."""
+    ``steps_per_call`` the default of the device-ordered exchanges,
+    ``epochs`` the default of --epochs."""
     notices = []
     fault = fault_spec_problem()
     if fault:
@@ -413,7 +429,10 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call):
                              dataset=datasets.fingerprint(splits))
     args.resume_epoch = 0
     if args.resume:
-        notices.append(check_resume(args, shapes))
+        notices += check_resume(args, shapes, epochs)
+    elif args.epochs is None:
+        args.epochs = epochs
+    args.trained_with["epochs"] = args.epochs  # recorded, for a --resume without --epochs
     notices += check_trace(args, steps_per_epoch(n_train // args.batch_size, world))
     args.local_workers, args.platform = len(args.devices), "gpu" if gpus else "cpu"
     args.run_options = {k: args.trained_with[k] if k in TRAINED_WITH else getattr(args, k)
@@ -572,12 +591,40 @@ def unkillable(left):
 SOCKET_PATH_MAX = 107  # an ipc:// socket's path, in bytes (Linux's sun_path, less its NUL)
 
 
+RUN_FOLDER_NAME = re.compile(r"dual_mlp-(\d+)-[0-9a-f]{16}")  # after its launcher's pid
+STALE_AFTER = 60  # seconds without a heartbeat: a run folder nobody is left to remove
+
+
+def drop_folders_of_dead_runs(parent):
+    """Remove the run folders of this user's earlier runs in ``parent`` that
+    nobody was left to remove (the launcher SIGKILLed with its workers, a
+    machine's processes killed at once): its launcher is gone and nothing in
+    it changed for ``STALE_AFTER`` s.  /dev/shm is memory."""
+    with contextlib.suppress(OSError), os.scandir(parent) as entries:
+        for entry in entries:
+            found = RUN_FOLDER_NAME.fullmatch(entry.name)
+            if not found or records.alive(int(found.group(1))):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if not entry.is_dir(follow_symlinks=False) or st.st_uid != os.getuid():
+                    continue
+                last = max([st.st_mtime] + [os.lstat(os.path.join(entry.path, f)).st_mtime
+                                            for f in os.listdir(entry.path)])
+            except OSError:  # another run removed it meanwhile
+                continue
+            if time.time() - last > STALE_AFTER:
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
 def run_folder(args, shapes):
     """Where the run's private folder for its sockets, buffers and heartbeats
     will be (``launch`` makes it): in shared memory where it has room for
     them, else on disk; named after this launcher, so that nobody mistakes
-    it for another run's, and unguessable."""
+    it for another run's, and unguessable.  Dead runs' folders there go."""
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    for parent in {shm, tempfile.gettempdir()} - {None}:
+        drop_folders_of_dead_runs(parent)
     n_params = sum(math.prod(s) for s in shapes)
     needed = 4 * len(args.devices) * n_params * 4 + (1 << 20)  # weights files, with room
     notice = None
@@ -604,7 +651,7 @@ def run_folder(args, shapes):
     return os.path.join(folder, name), notice
 
 
-def launch(args, script, rundir, link):
+def launch(args, shapes, script, rundir, link):
     """Start the workers (``script --worker INDEX LAUNCHER_PID``, the run
     folder's name in their environment), then make the run folder and leave
     the request there, and watch them and the other nodes (``link``); if a
@@ -705,10 +752,8 @@ def launch(args, script, rundir, link):
             return 1, trace, f"{why}{at}{unkillable(left)}", bool(verdict) and link.gone()
         left = stop(workers)
         link.tell("failed", f"interrupted ({signal.Signals(stopping.signum).name})", final=True)
-        kept = f"; last checkpoint kept in {args.save}" if args.save and \
-            os.path.exists(args.save) else ""
-        cli.say(f"interrupted ({signal.Signals(stopping.signum).name}){kept}{unkillable(left)}",
-                file=sys.stderr)
+        cli.say(f"interrupted ({signal.Signals(stopping.signum).name})"
+                f"{resume_hint(args, shapes)}{unkillable(left)}", file=sys.stderr)
         return 128 + stopping.signum, "", None, False
     finally:
         if made:
@@ -742,7 +787,7 @@ def supervise(args, shapes, script, rundir, link):
     a node lost ends the run.  Where the run fails for good, its last line
     says what failed, where, and how to resume.  Returns the exit code."""
     for restart in range(1, args.max_restarts + 2):
-        code, trace, why, lost = launch(args, script, rundir, link)
+        code, trace, why, lost = launch(args, shapes, script, rundir, link)
         if why is None:
             break
         if args.node_rank and not link.ordered():

@@ -453,7 +453,8 @@ def meet(args, judge, stack):
     the nodes whose options ``judge`` finds nothing to say of; on any other,
     its membership of that lobby, which tells it where JAX's coordinator
     listens.  The lobby and the membership close with ``stack``.  Returns
-    (the link, a notice: the secret node 0 made, where it made one)."""
+    (the link, a notice: the secret node 0 made, where it made one; on any
+    other node, that it joined, and which workers it runs)."""
     if args.nodes == 1:
         return Alone(), None
     secret, notice = run_secret(args)  # the others prove they belong here: they hold it
@@ -463,4 +464,8 @@ def meet(args, judge, stack):
     member = stack.enter_context(Member(args.coordinator, args.node_rank, args.run_options,
                                         args.timeout, secret))
     args.jax_coordinator = member.jax_coordinator
-    return member, notice
+    n = len(args.devices)
+    ranks = ", ".join(map(str, range(args.node_rank * n, (args.node_rank + 1) * n)))
+    return member, (f"node {args.node_rank} of {args.nodes}: joined node 0 at {args.coordinator}; "
+                    f"worker{'s' * (n > 1)} {ranks} of {args.nodes * n} here, on "
+                    f"{', '.join(args.devices)}")

@@ -14,6 +14,7 @@ Shared by ``mlp.py`` (one process) and ``dual_mlp.py`` (its worker 0).
 * The summary: one JSON document per run (``--json``), written atomically.
 """
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import argparse
 import contextlib
 import datetime
 import errno
@@ -266,8 +267,15 @@ def hold(*paths, room=0):
     still the one this run holds.  Once held, an earlier run's temporaries
     (``files.is_temporary_of``) go, only where the run that made them is
     gone; and ``room`` bytes are set aside once, for real, beside each
-    output: a full disk is found before training, not after."""
+    output: a full disk is found before training, not after.  Every path
+    is first checked as an option's output is (``cli.writable``): one the
+    run derives (a trace's picture, a node's trace) too."""
     paths = [os.path.abspath(p) for p in paths if p]
+    for path in paths:
+        try:
+            cli.writable(path)
+        except argparse.ArgumentTypeError as e:
+            raise CheckpointError(str(e)) from None
     locks = {path: lock_name(path) for path in paths}
     for path in paths:
         check_not_a_lock(path, locks)
@@ -306,16 +314,25 @@ def lock(path, lock_path, room):
                 os.pwrite(fd, LOCK_TAG + str(os.getpid()).encode(), 0)
             except OSError as e:  # a full disk takes an empty file, not its first bytes
                 raise CheckpointError(f"cannot write {path}: {e.strerror.lower()}") from None
-            folder, name = os.path.split(path)
-            for entry in os.listdir(folder):
-                pid = files.is_temporary_of(entry, name)
-                if pid is not None and pid != os.getpid() and not alive(pid):
-                    os.unlink(os.path.join(folder, entry))
+            drop_temporaries_of_the_dead(path)
             if room:
                 set_aside(path, room)
             yield
         finally:
+            drop_temporaries_of_the_dead(path)  # a worker killed as it wrote: this run's own
             release(fd, lock_path)
+
+
+def drop_temporaries_of_the_dead(path):
+    """Remove the temporaries of ``path`` (``files.is_temporary_of``) whose
+    writer is gone: only the run holding ``path``'s lock calls this."""
+    folder, name = os.path.split(path)
+    with contextlib.suppress(OSError):  # the folder went: nothing to tidy there
+        for entry in os.listdir(folder):
+            pid = files.is_temporary_of(entry, name)
+            if pid is not None and pid != os.getpid() and not alive(pid):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(folder, entry))
 
 
 def release(fd, lock_path):

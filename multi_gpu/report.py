@@ -50,6 +50,23 @@ def compiling(what, mode=None, where="cpu"):
             f"{first}; later runs {later})")
 
 
+def trained(args, epoch, n_steps, samples_per_s):
+    """The epoch line of a node other than 0, for its own terminal (node 0
+    validates, and says the run's)."""
+    return (f"node {args.node_rank}: epoch {epoch}/{args.epochs}: {cli.counted(n_steps, 'step')} "
+            f"per worker ({samples_per_s:,.0f} samples/s); node 0 validates")
+
+
+def ended(args, wall):
+    """A node's last line when the run ends well."""
+    line = f"total wall time {wall:.1f} s (start-up and compile included)"
+    if not args.node_rank:
+        return line
+    host = args.coordinator.rpartition(":")[0]
+    return (f"node {args.node_rank}: done; {line}; node 0 ({host}) keeps the run's checkpoint "
+            "and summary")
+
+
 def summarise(args, progress, trainer, n_steps, world, wall, device, say):
     """Worker 0's closing lines, and the --json summary."""
     samples_per_s = world * progress.steps * args.batch_size / progress.train_s

@@ -285,12 +285,13 @@ def quit_now(code):
 FORWARD = None  # worker 0's thread that passes its standard output on
 
 
-def keep_stdout_clean(rank, rundir):
-    """One process speaks: worker 0's standard output reaches the terminal
-    without the lines gloo's C++ writes there on every rank, and every
-    other worker's goes to a file in the run folder."""
+def keep_stdout_clean(rank, speaks, rundir):
+    """One process a machine speaks (``speaks``: worker 0 for the run, the
+    first worker of each other node for its node): its standard output
+    reaches the terminal without the lines gloo's C++ writes there on every
+    rank, and every other worker's goes to a file in the run folder."""
     global FORWARD
-    if rank != 0:
+    if not speaks:
         with files.new_file(os.path.join(rundir, f"worker-{rank}.out")) as f:
             os.dup2(f.fileno(), 1)
         return
@@ -373,7 +374,7 @@ def run_worker(work, index, launcher_pid, one_line_errors):
     # it never removes: this worker's go into the run folder, which goes with the run
     tempfile.tempdir = os.path.join(rundir, f"tmp-{index}")
     os.mkdir(tempfile.tempdir)
-    keep_stdout_clean(rank, rundir)
+    keep_stdout_clean(rank, index == 0, rundir)
     watchdog = Watchdog(rank, world, rundir, LAUNCHER, args.timeout)
     code = 0
     try:

@@ -132,11 +132,12 @@ def start_dual(*args, env=None, cwd=ROOT, mine=True, host=None):
 SECRET = "a secret of the tests' own runs"  # what their nodes share (DUAL_MLP_SECRET)
 
 
-def start_node(port, rank, *args, env=None, **kw):
-    """Start node ``rank`` of a two-node CPU run whose node 0 listens at
-    127.0.0.1:``port``, holding the tests' secret unless ``env`` says
+def start_node(port, rank, *args, devices=("cpu",), env=None, **kw):
+    """Start node ``rank`` of a two-node run whose node 0 listens at
+    127.0.0.1:``port``, on ``devices`` (one CPU worker, as on a cluster of
+    one-GPU machines), holding the tests' secret unless ``env`` says
     otherwise (``start_dual``'s keywords)."""
-    return start_dual("cpu", "cpu", "--nodes", 2, "--node-rank", rank, "--coordinator",
+    return start_dual(*devices, "--nodes", 2, "--node-rank", rank, "--coordinator",
                       f"127.0.0.1:{port}", *args, env=dict({"DUAL_MLP_SECRET": SECRET},
                                                           **(env or {})), **kw)
 
@@ -296,6 +297,15 @@ def start_checkpointing(ckpt, *args):
     wait_until_training(proc)
     wait_for(ckpt.exists, 60, "a first checkpoint")
     return proc
+
+
+def interrupted(err, signame, ckpt):
+    """The one line of a run stopped by ``signame`` whose last checkpoint is
+    ``ckpt``: it says so, and the command that resumes."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"interrupted ({signame}); resume (epoch ") and \
+        "python dual_mlp.py " in lines[0] and lines[0].endswith(f" --resume {ckpt}"), err
 
 
 def finish(proc, timeout):

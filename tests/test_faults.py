@@ -10,8 +10,9 @@ import pytest
 
 from multi_gpu import files, records
 from conftest import (SHAPES, assert_identical_checkpoints, corrupt_cases, dual, finish,
-                      kill_one_worker, refused, run_directories, run_once, start_checkpointing,
-                      start_dual, wait_for, wait_until_training, workers_of)
+                      interrupted, kill_one_worker, refused, run_directories, run_once,
+                      start_checkpointing, start_dual, wait_for, wait_until_training,
+                      workers_of)
 from multi_gpu.launcher import usable_gpus
 
 
@@ -58,8 +59,7 @@ def test_ctrl_c_stops_everything_and_keeps_the_checkpoint(tmp_path, no_leftovers
         proc.send_signal(signal.SIGINT)
     code, took, err = finish(proc, timeout=5)
     assert code == 130 and took < 5
-    assert f"interrupted (SIGINT); last checkpoint kept in {ckpt}" in err
-    assert "Traceback" not in err
+    interrupted(err, "SIGINT", ckpt)
     _, _, state = records.load_checkpoint(str(ckpt), SHAPES)
     assert state["epoch"] >= 1
 
@@ -163,6 +163,34 @@ def four_epochs():
     folder, _ = run_once("four_epochs", "cpu", "cpu", "--epochs", 4, "--save",
                          "{folder}/full.npz")
     return folder / "full.npz"
+
+
+def test_a_resume_without_epochs_goes_on_to_the_epochs_its_run_asked_for(tmp_path,
+                                                                         one_epoch_checkpoint):
+    """A run stopped at epoch 1 of the 40 it asked for goes on to 40, and
+    says so; one that finished what it asked goes to the default; --epochs
+    given is what it says (the request as the launcher checks it)."""
+    import dual_mlp
+    from multi_gpu import launcher
+    ckpt = one_epoch_checkpoint(tmp_path / "m.npz")
+    params, best, state = records.load_checkpoint(str(ckpt), SHAPES,
+                                                  (*records.TRAINING_STATE, "config"))
+    assert state["config"]["epochs"] == 1  # the run's own --epochs, recorded
+    stopped = tmp_path / "stopped.npz"
+    records.save_checkpoint(str(stopped), params, best, **dict(state, config=dict(
+        state["config"], epochs=40)))
+    for path, given, epochs, words in (
+            (stopped, [], 40, f"notice: --resume {stopped}: trains on to epoch 40, as its run "
+                              "asked (see --epochs)"),
+            (ckpt, [], dual_mlp.EPOCHS, f"notice: --resume {ckpt}: trains on to epoch "
+                                        f"{dual_mlp.EPOCHS}, the default (see --epochs)"),
+            (stopped, ["--epochs", 5], 5, None)):
+        args = dual_mlp.parse_args(["cpu", "cpu", "--resume", str(path), *map(str, given)])
+        notices = launcher.check_request(args, SHAPES, dual_mlp.BATCH_SIZE,
+                                         dual_mlp.SHIPPED_BATCH_SIZE, dual_mlp.STEPS_PER_CALL,
+                                         dual_mlp.EPOCHS)
+        assert args.epochs == epochs and args.trained_with["epochs"] == epochs
+        assert [n for n in notices if "--resume" in n] == ([words] if words else []), notices
 
 
 def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(tmp_path):

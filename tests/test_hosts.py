@@ -117,6 +117,7 @@ def run_on_hosts(folder):
             pairs[name][1].signal(signal.SIGCONT)
             seen[name]["node1"] = finish(node1, timeout=60)[::2]
         seen["whole"] = [finish(p, timeout=120)[::2] for p in (whole0, whole1)]
+        seen["node1_said"] = whole1.out
         seen["restarted"] = [finish(p, timeout=120)[::2] for p in restarted]
         # resumed as node 0's last line says (to the uninterrupted run's epochs), and node 1
         # as its own says, with node 0's checkpoint
@@ -155,6 +156,21 @@ def test_two_test_hosts_train_identical_replicas_as_the_readme_says(host_runs):
     assert summary["workers"] == 2 and summary["nodes"] == 2
     assert summary["max_replica_diff"] == 0.0
     assert host_runs["left"] == []
+
+
+def test_a_node_other_than_0_speaks_for_itself(host_runs):
+    """Node 1's own terminal: that it joined node 0 (its address) and which
+    worker it runs, each epoch it trained, and its end."""
+    node0 = host_runs["hosts"]["whole"][0]
+    lines = host_runs["node1_said"].splitlines()
+    assert lines[0] == f"node 1 of 2: joined node 0 at {node0}:29500; worker 1 of 2 here, on cpu"
+    epochs = [line for line in lines if line.startswith("node 1: epoch ")]
+    assert [line.split(":")[1] for line in epochs] == [
+        f" epoch {e}/{EPOCHS}" for e in range(1, EPOCHS + 1)], lines
+    assert all(line.endswith("samples/s); node 0 validates") for line in epochs)
+    assert lines[-1].startswith("node 1: done; total wall time ") and lines[-1].endswith(
+        f"node 0 ({node0}) keeps the run's checkpoint and summary"), lines
+    assert not any(line.startswith(("epoch ", "Optimization complete")) for line in lines)
 
 
 @pytest.mark.parametrize("fault", FAULTS)

@@ -52,9 +52,15 @@ def test_a_tutorial_run_that_diverges_stops_in_one_line_and_keeps_the_good_model
 
 def pipeline(command, log):
     """``command 2>&1 | tee log`` in a session of its own, as a terminal runs
-    it: (the shell, the launcher's pid)."""
+    it, Ctrl-C's signals at their defaults (a test runner's worker may
+    ignore them, and a shell keeps an ignored signal ignored): (the shell,
+    the launcher's pid)."""
+    def as_a_terminal_starts_it():
+        for signum in (signal.SIGINT, signal.SIGQUIT):
+            signal.signal(signum, signal.SIG_DFL)
     shell = subprocess.Popen(["sh", "-c", f"{command} 2>&1 | tee {log} >/dev/null"],
-                             env=environment(), start_new_session=True)
+                             env=environment(), start_new_session=True,
+                             preexec_fn=as_a_terminal_starts_it)
     launcher = wait_for(lambda: next((p for p in psutil.Process(shell.pid).children()
                                       if "dual_mlp.py" in " ".join(p.cmdline())), None), 30,
                         "the launcher")
@@ -73,7 +79,7 @@ def test_ctrl_c_through_tee_leaves_no_lock_and_no_run_folder(tmp_path, exchange)
         wait_for(lambda: log.exists() and "epoch 1/" in log.read_text(), 120, "a first epoch")
         tee = next(p for p in psutil.Process(shell.pid).children() if p.name() == "tee")
         tee.send_signal(signal.SIGINT)
-        tee.wait(10)
+        wait_for(lambda: gone(tee), 10, "tee to end")
         os.killpg(shell.pid, signal.SIGINT)
         launcher.wait(30)  # (not this process's child: its exit code is the shell's to see)
         wait_for(lambda: not leftover_workers(), 10, "the workers to exit")
@@ -83,6 +89,14 @@ def test_ctrl_c_through_tee_leaves_no_lock_and_no_run_folder(tmp_path, exchange)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(shell.pid, signal.SIGKILL)
         shell.wait()
+
+
+def gone(process):
+    """Ended: a zombie counts (its parent, a shell, reaps it when it gets to it)."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def set_of_runs_of(pid):
@@ -111,6 +125,23 @@ def test_a_launcher_killed_while_worker_0_writes_leaves_no_temporary(tmp_path):
     assert not set_of_runs_of(proc.pid)
     for leftover in tmp_path.glob(".ck.npz.lock"):  # the killed launcher's own: taken over next
         leftover.unlink()
+
+
+def test_a_worker_killed_as_it_writes_leaves_no_temporary(tmp_path):
+    """Worker 0 SIGKILLed with its checkpoint written but not yet in place:
+    the run ends naming it, and its half-done temporary (the checkpoint's
+    size) goes with the run; the last checkpoint stays."""
+    ckpt = tmp_path / "ck.npz"
+    proc = start_dual("cpu", "cpu", "--epochs", 1000, "--save", ckpt,
+                      env={"DUAL_MLP_FAULT": "0:save:stop"})
+    worker0 = wait_for(lambda: next((w for w in workers_of(proc)
+                                     if w.status() == psutil.STATUS_STOPPED), None), 120,
+                       "worker 0 to hold still mid-write")
+    assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+    worker0.send_signal(signal.SIGKILL)
+    code, _, err = finish(proc, timeout=15)
+    assert code == 1 and "worker 0 (device cpu) failed: killed by SIGKILL" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing written yet: no file"
 
 
 @contextlib.contextmanager

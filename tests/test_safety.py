@@ -18,7 +18,7 @@ import pytest
 
 from multi_gpu import datasets, records
 from conftest import splits as conftest_splits
-from conftest import (LAUNCHERS, ROOT, SHAPES, TOKEN, dual, finish,
+from conftest import (LAUNCHERS, ROOT, SHAPES, TOKEN, dual, finish, interrupted,
                       kill_one_worker, leftover_workers, run_directories, script,
                       refused, start_checkpointing, start_dual, start_node, wait_for,
                       wait_until_training, workers_of)
@@ -71,14 +71,14 @@ def test_an_output_never_overwrites_an_input_or_another_output(tmp_path, no_left
 
 
 def test_a_second_run_on_a_held_checkpoint_is_refused_and_touches_nothing(tmp_path,
-                                                                          no_leftovers):
+                                                                          no_leftovers, capsys):
     ckpt = tmp_path / "m.npz"
     live = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000)
     writing = tmp_path / f".m.npz.{live.pid}.halfdone.tmp"  # the live run's write in progress
     writing.write_bytes(b"half a checkpoint")
-    for name in ("dual_mlp.py", "mlp.py"):
-        out = script(name, *cpu_workers(name), "--epochs", 1,
-                     "--save", ckpt, timeout=60)
+    for name in ("dual_mlp.py", "mlp.py"):  # the demo's as typed, the tutorial's by its main()
+        out = refused(capsys, *cpu_workers(name), "--epochs", 1, "--save", ckpt, name=name,
+                      typed=name == "dual_mlp.py")
         one_line(out, 2, f"{ckpt} is being written by another run (pid {live.pid})")
     assert writing.exists() and live.poll() is None
     live.send_signal(signal.SIGINT)
@@ -190,12 +190,17 @@ def test_a_foreign_run_on_a_live_runs_port_is_refused_and_the_live_run_goes_on(n
 
 def test_a_node_given_another_option_is_refused_in_one_line(no_leftovers):
     port = free_port()
-    node0 = start_node(port, 0, "--epochs", 2, "--timeout", 5)
-    node1 = start_node(port, 1, "--epochs", 3, "--timeout", 5)
-    code, _, err = finish(node1, timeout=60)
-    assert code == 2 and err.strip().splitlines() == [
-        f"dual_mlp.py: error: refused by node 0 at 127.0.0.1:{port}: node 0 runs other "
-        "options: --epochs 2 there, 3 here"]
+    node0 = start_node(port, 0, "--epochs", 2, "--timeout", 8)
+    refused_nodes = [(start_node(port, 1, *args, "--timeout", 8, **kw), words) for args, kw, words
+                     in ((("--epochs", 3), {}, "--epochs 2 there, 3 here"),
+                         (("--epochs", 2), dict(devices=("cpu", "cpu")),
+                          "workers per node 1 there, 2 here (every node gives the same number "
+                          "of devices)"))]
+    for node1, words in refused_nodes:
+        code, _, err = finish(node1, timeout=60)
+        assert code == 2 and err.strip().splitlines() == [
+            f"dual_mlp.py: error: refused by node 0 at 127.0.0.1:{port}: node 0 runs other "
+            f"options: {words}"]
     code, _, err = finish(node0, timeout=60)  # its partner never came: one line
     assert code == 1 and len(err.strip().splitlines()) == 1 and "did not all meet" in err
 
@@ -286,9 +291,9 @@ def test_the_fault_test_passes_beside_another_run_and_leaves_it_alone(tmp_path, 
     its workers and folders nor touch them."""
     other = start_dual("cpu", "cpu", "--epochs", 1000, mine=False)
     try:
+        proc = start_dual("cpu", "cpu", "--epochs", 1000)  # meanwhile: each trains a shorter while
         wait_until_training(other)
         theirs = workers_of(other)
-        proc = start_dual("cpu", "cpu", "--epochs", 1000)
         wait_until_training(proc)
         kill_one_worker(proc, 1, "cpu")
         assert other.poll() is None and all(w.is_running() for w in theirs)
@@ -362,8 +367,7 @@ def test_a_hangup_or_user_signal_stops_the_run_in_one_line_and_frees_its_checkpo
     proc.send_signal(signum)
     code, took, err = finish(proc, timeout=10)
     assert code == 128 + signum and took < 5
-    assert err.strip().splitlines() == [
-        f"interrupted ({signal.Signals(signum).name}); last checkpoint kept in {ckpt}"]
+    interrupted(err, signal.Signals(signum).name, ckpt)
     assert not (tmp_path / ".m.npz.lock").exists()
     assert records.load_checkpoint(str(ckpt), SHAPES, records.TRAINING_STATE)[2]["epoch"] >= 1
 
@@ -400,12 +404,12 @@ def test_no_run_removes_a_temporary_it_did_not_make(tmp_path):
     assert all(path.read_bytes() == b"keep" for path in keep)
 
 
-def test_a_summary_may_not_overwrite_a_live_runs_checkpoint(tmp_path, no_leftovers):
+def test_a_summary_may_not_overwrite_a_live_runs_checkpoint(tmp_path, no_leftovers, capsys):
     ckpt = tmp_path / "m.npz"
     live = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000)
-    for name in ("dual_mlp.py", "mlp.py"):
-        out = script(name, *cpu_workers(name), "--epochs", 1,
-                     "--json", ckpt, timeout=60)
+    for name in ("dual_mlp.py", "mlp.py"):  # the demo's as typed, the tutorial's by its main()
+        out = refused(capsys, *cpu_workers(name), "--epochs", 1, "--json", ckpt, name=name,
+                      typed=name == "dual_mlp.py")
         one_line(out, 2, f"{ckpt} is being written by another run (pid {live.pid})")
     live.send_signal(signal.SIGINT)
     assert finish(live, timeout=10)[0] == 130

@@ -2,6 +2,7 @@
 orderings' run on the device: tests/test_gpu.py)."""
 import collections
 import json
+import os
 
 import pytest
 
@@ -175,6 +176,34 @@ def test_the_kernels_stamps_go_onto_the_hosts_clock_as_phases_in_order():
     assert tracer.about["stamps_lost"] == 1 and tracer.about["device_clock_error_us"] == 0.5
     assert tracer.about["device_clock_tick_ns"] == 32
     assert round(tracer.about["device_clock_drift_ppm"]) == 1000
+
+
+@pytest.mark.parametrize("make, words", [
+    (os.mkfifo, "is not a regular file (a device, FIFO or socket)"),
+    (os.mkdir, "is a folder, not a file")])
+def test_what_sits_where_the_trace_picture_goes_is_refused_before_anything_starts(
+        tmp_path, make, words, capsys, no_leftovers):
+    """The picture beside --trace PATH is an output, checked as --json is: a
+    FIFO there hung the run before any worker started, a folder failed it
+    after training (by the script's main())."""
+    make(tmp_path / "t.png")
+    out = refused(capsys, "cpu", "cpu", "--trace", tmp_path / "t.json")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"dual_mlp.py: error: {tmp_path / 't.png'} {words}: an output goes only to a regular "
+        "file" if "FIFO" in words else f"dual_mlp.py: error: {tmp_path / 't.png'} {words}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.png"]
+
+
+@pytest.mark.parametrize("resumed, epochs, window", [(0, 1, 1), (0, 5, 2), (3, 5, 5), (3, 4, 4)])
+def test_the_trace_starts_at_the_second_epoch_a_run_trains(resumed, epochs, window):
+    """A run resumed at epoch 3 for --epochs 5 traces its fifth (the second
+    it trains), and is never refused for a --trace-from nobody gave."""
+    import argparse
+    from multi_gpu import launcher
+    args = argparse.Namespace(trace="t.json", trace_from=None, trace_steps=None,
+                              resume_epoch=resumed, epochs=epochs)
+    launcher.check_trace(args, 15)
+    assert args.trace_from == window
 
 
 def test_a_trace_is_drawn_again_from_a_chosen_step(traced):

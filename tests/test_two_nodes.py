@@ -15,6 +15,8 @@ from conftest import (SECRET, finish, leftover_workers, made_once, run_directori
                       wait_for, workers_of)
 from multi_gpu.nodes import curve_keys, free_port
 
+TWO = ("cpu", "cpu")  # the devices of each node: four workers in all
+
 # what a node holding the run's secret might send node 0's lobby: each gets an answer
 ODD_MESSAGES = (b'{"node_rank": 1e999, "options": {}}', b"\xff not json",
                 b'{"node_rank": "1", "options": []}', b'{"node_rank": 7, "options": {}}', b"[]",
@@ -98,7 +100,7 @@ def meet_and_train(folder):
     port = free_port()
     same = ("--epochs", 2, "--check", "--timeout", 120, "--trace", folder / "t.json",
             "--trace-steps", 4)  # every node runs the same options
-    node0 = start_node(port, 0, *same, "--json", folder / "run.json",
+    node0 = start_node(port, 0, *same, "--json", folder / "run.json", devices=TWO,
                        env={"DUAL_MLP_SECRET": ""})
     seen, before, idle = {"port": port}, run_directories(), []
     try:
@@ -112,13 +114,13 @@ def meet_and_train(folder):
         seen["answers"] = answers_to_odd_messages(port, secret)
         seen["refused"] = []
         for env in ({"DUAL_MLP_SECRET": "another secret, long enough"}, {"DUAL_MLP_SECRET": ""}):
-            stranger = start_node(port, 1, *same, env=env)
+            stranger = start_node(port, 1, *same, devices=TWO, env=env)
             seen["refused"].append(finish(stranger, timeout=60))
         unchecked = [a for a in same if a != "--check"]  # node 0 only: both would wait for ever
-        seen["refused"].append(finish(start_node(port, 1, *unchecked,
+        seen["refused"].append(finish(start_node(port, 1, *unchecked, devices=TWO,
                                                  env={"DUAL_MLP_SECRET": secret}), timeout=60))
         idle, seen["growth"] = swell(launcher, port)
-        node1 = start_node(port, 1, *same, env={"DUAL_MLP_SECRET": secret})
+        node1 = start_node(port, 1, *same, devices=TWO, env={"DUAL_MLP_SECRET": secret})
         worker0 = wait_for(lambda: workers_of(node0), 60, "node 0's workers")[0]
         folder0 = worker0.environ()["DUAL_MLP_RUN"]
         seen["coordinator"] = wait_for(lambda: [c.laddr for c in worker0.net_connections("unix")
