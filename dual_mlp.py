@@ -596,7 +596,9 @@ def worker(args, rank, world, dev, rundir, watchdog):
             if args.exchange == "xla" else None
         device = devices.open_device(dev, jax_on_cpu=xla is not None)
         cleanup.callback(device.close)
-        data = load_data(args.dataset, put=device.put)  # resident on the device
+        # the data set as the launcher checked it (its copy in the run folder), resident
+        # on the device
+        data = load_data(args.dataset_copy, put=device.put)
         with cli.heartbeat(report.compiling("the model", device.mode, device.name), say):
             model = mlp.Model(data, args.batch_size, args.n_hidden, args.learning_rate, args.l1,
                               args.l2, args.seed, mode=device.mode, evaluates=rank == 0)

@@ -98,10 +98,36 @@ def read_checked(path):
     """The three splits as stored, checked: IDX images are left as unsigned
     bytes, so that a launcher can check a large data set for the cost of
     reading it, without the four-times-larger float copy."""
-    splits = read_idx_folder(path) if os.path.isdir(path) else read_pickle(path)
+    if os.path.basename(path) == RUN_COPY:
+        splits = read_run_copy(path)
+    else:
+        splits = read_idx_folder(path) if os.path.isdir(path) else read_pickle(path)
     for name, (x, y) in zip(("train", "valid", "test"), splits):
         check_split(path, name, x, y)
     return splits
+
+
+# A run's own copy of its data set, as its launcher read and checked it, in the run's
+# private folder: the workers read that, not the user's file, which may change meanwhile.
+RUN_COPY = "dataset.npz"
+SPLITS = ("train", "valid", "test")
+
+
+def write_run_copy(f, splits):
+    """Write the checked ``splits`` (``read_checked``'s) into the open file ``f``."""
+    np.savez(f, **{f"{name}_{xy}": a for name, split in zip(SPLITS, splits)
+                   for xy, a in zip("xy", split)})
+
+
+def read_run_copy(path):
+    """A run's copy of its data set (``write_run_copy``), where it lies: only
+    in a folder of this user's alone (``files.check_folder``)."""
+    try:
+        files.check_folder(os.path.dirname(path))
+    except files.NotPrivate as e:
+        raise DatasetError(f"{path}: {e}") from None
+    with np.load(path, allow_pickle=False) as f:
+        return tuple((f[f"{name}_x"], f[f"{name}_y"]) for name in SPLITS)
 
 
 FINGERPRINT = "sha256:"  # how a fingerprint starts (older ones, of 256 rows, did not)

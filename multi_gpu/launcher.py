@@ -409,7 +409,8 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call, 
     args.dataset, notice = datasets.resolve(args.dataset)
     notices.append(notice)
     check_outputs(args)
-    splits = datasets.read_checked(args.dataset)
+    # read once and checked: the workers train on this very copy (``launch``)
+    splits = args.checked_data = datasets.read_checked(args.dataset)
     n_train = len(splits[0][0])
     if args.batch_size is None:
         args.batch_size = shipped_batch_size if args.dataset == datasets.SHIPPED else batch_size
@@ -626,7 +627,8 @@ def run_folder(args, shapes):
     for parent in {shm, tempfile.gettempdir()} - {None}:
         drop_folders_of_dead_runs(parent)
     n_params = sum(math.prod(s) for s in shapes)
-    needed = 4 * len(args.devices) * n_params * 4 + (1 << 20)  # weights files, with room
+    data = sum(a.nbytes for split in getattr(args, "checked_data", ()) for a in split)
+    needed = 4 * len(args.devices) * n_params * 4 + data + (1 << 20)  # weights, data, room
     notice = None
     if shm and shutil.disk_usage(shm).free < needed:
         notice = (f"notice: /dev/shm has {shutil.disk_usage(shm).free >> 20} MB free, the run "
@@ -690,9 +692,14 @@ def launch(args, shapes, script, rundir, link):
                 args.resume_copy = os.path.join(rundir, "resume.npz")
                 with files.new_file(args.resume_copy) as f:
                     f.write(args.checked_resume)
+            # the data set as check_request read and checked it, whatever the file holds now
+            args.dataset_copy = os.path.join(rundir, datasets.RUN_COPY)
+            with files.new_file(args.dataset_copy) as f:
+                datasets.write_run_copy(f, args.checked_data)
             # whole or not at all: the workers read it
             with files.new_file(request + ".part", text=True) as f:
-                json.dump({k: v for k, v in vars(args).items() if k != "checked_resume"}, f)
+                json.dump({k: v for k, v in vars(args).items()
+                           if k not in ("checked_resume", "checked_data")}, f)
             os.replace(request + ".part", request)
         except FileNotFoundError:
             cli.say(f"error: the run folder {rundir} was removed as the run started (a cleaner "

@@ -535,6 +535,32 @@ def test_a_checkpoint_rewritten_as_the_run_starts_is_resumed_as_it_was_checked(
     assert ckpt.read_bytes() == b"a writer's half-written file"
 
 
+def test_a_data_set_rewritten_as_the_run_starts_is_trained_on_as_it_was_checked(
+        tmp_path, no_leftovers, one_epoch_checkpoint):
+    """The launcher reads --dataset once, checks it, fingerprints it, and
+    hands the workers that copy: a file rewritten after the check (every
+    training label shifted by one, while the launcher is held stopped) is
+    not what they train on (issue 49.1: 97.6 % validation error)."""
+    data = tmp_path / "d.pkl.gz"
+    shutil.copy(datasets.SHIPPED, data)
+    (tx, ty), valid, test = datasets.read(datasets.SHIPPED)
+    _, _, uninterrupted = records.load_checkpoint(
+        str(one_epoch_checkpoint(tmp_path / "m.npz")), SHAPES, (*records.TRAINING_STATE, "config"))
+    proc = start_dual("cpu", "cpu", "--epochs", 1, "--dataset", data, "--batch-size", 100,
+                      "--save", tmp_path / "tt.npz",
+                      env={"DUAL_MLP_FAULT": "launcher:spawned:stop"})
+    wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 120,
+             "the launcher to stop itself once it has checked the data")
+    datasets.write_pickle((((tx, (ty + 1) % 10)), valid, test), str(data))
+    os.kill(proc.pid, signal.SIGCONT)
+    code, _, err = finish(proc, timeout=300)
+    assert code == 0, err
+    _, _, trained = records.load_checkpoint(str(tmp_path / "tt.npz"), SHAPES,
+                                            (*records.TRAINING_STATE, "config"))
+    assert trained["validation_errors"][0] == uninterrupted["validation_errors"][0] < 0.5
+    assert trained["config"]["dataset"] == uninterrupted["config"]["dataset"]
+
+
 THREADS = "not a number of threads (a positive integer): set it to one, or unset it"
 
 
