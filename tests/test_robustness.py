@@ -278,16 +278,17 @@ def test_staged_on_cpu_workers_is_one_line():
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
                     reason="needs root and unshare, for a small /dev/shm of its own")
 @pytest.mark.parametrize("left_mb, who", [(0, "error: no room left in the run folder"),
-                                          (1, "failed: worker")])
+                                          (18, "failed: worker")])
 def test_a_dev_shm_filled_after_the_room_check_is_one_line(tmp_path, left_mb, who):
-    """A neighbour fills /dev/shm between the launcher's check and the
-    workers' buffers: the launcher (nothing left) or a worker (room for the
-    request, not for the weights) says so in one line, naming the folder."""
-    run = f"""mount -t tmpfs -o size=16m tmpfs /dev/shm || exit 99
+    """A neighbour fills /dev/shm (40 MB) between the launcher's check and
+    the workers' buffers: the launcher (nothing left) or a worker (room for
+    the request and the data's copy, 15.7 MB, not for the weights, 12.7)
+    says so in one line, naming the folder."""
+    run = f"""mount -t tmpfs -o size=40m tmpfs /dev/shm || exit 99
 {sys.executable} {ROOT / 'dual_mlp.py'} cpu cpu --epochs 2 2> {tmp_path / 'err'} &
 L=$!
 while [ "$(ps -o stat= -p $L | cut -c1)" != "T" ]; do sleep 0.05; done
-dd if=/dev/zero of=/dev/shm/filler bs=1M count={15 if left_mb else 100} 2>/dev/null
+dd if=/dev/zero of=/dev/shm/filler bs=1M count={40 - left_mb if left_mb else 100} 2>/dev/null
 kill -CONT $L; wait $L; echo $? > {tmp_path / 'code'}"""
     out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", run],
                          capture_output=True, text=True, timeout=120,
