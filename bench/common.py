@@ -274,6 +274,10 @@ def parse_args(parser, table):
             datasets.resolve(args.dataset)
         except datasets.DatasetError as e:
             parser.error(str(e))
+    # a run on GPUs (no --cpu, or --devices naming GPUs) where there are none: one line,
+    # and nothing written
+    if not getattr(args, "cpu", False) or getattr(args, "devices", ["cpu"])[0] != "cpu":
+        require_gpus()
     out = getattr(args, "out", None)
     if out:  # before anything runs: a measurement must not be lost at its end
         if os.path.exists(out) and not os.path.isdir(out):
@@ -282,6 +286,4 @@ def parse_args(parser, table):
             os.makedirs(out, exist_ok=True)
         except OSError as e:
             parser.error(f"--out {out}: cannot make that folder ({e.strerror})")
-    if not getattr(args, "cpu", False):
-        require_gpus()
     return args

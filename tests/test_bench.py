@@ -255,13 +255,15 @@ def test_step_cost_cpu_times_the_plain_written_out_and_both_ordered_steps_and_co
     assert f"| 100 | {k} |" in out.stdout
 
 
-def test_gpu_checks_without_a_gpu_is_one_line_and_writes_nothing(tmp_path):
+@pytest.mark.parametrize("name, args", [("gpu_checks", []), ("trace_cost", ["--devices", 0, 0]),
+                                        ("compare", [])])
+def test_a_gpu_benchmark_without_a_gpu_is_one_line_and_writes_nothing(tmp_path, name, args):
     import shutil
     if shutil.which("nvidia-smi"):
-        pytest.skip("a GPU machine: bench.gpu_checks runs there")
-    out = script("bench.gpu_checks", "--out", tmp_path / "results", timeout=60)
+        pytest.skip(f"a GPU machine: bench.{name} runs there")
+    out = script(f"bench.{name}", *args, "--out", tmp_path / "results", timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "gpu_checks.py: error: no GPU here (nvidia-smi lists none): nothing was measured and no "
+        f"{name}.py: error: no GPU here (nvidia-smi lists none): nothing was measured and no "
         "result was written; on a CPU, the benchmarks that have one take --cpu"]
     assert not (tmp_path / "results").exists()
