@@ -137,7 +137,7 @@ def test_cpu_workers_compile_with_jax_and_keep_it_numba_one_flag_away(tmp_path):
     runs = {}
     for name, env in (("fast_run", {"HOME": str(home), "THEANO_FLAGS": "mode=FAST_RUN"}),
                       ("numba", {"THEANO_FLAGS": "mode=NUMBA"})):
-        out = dual("cpu", "cpu", "--epochs", 2, "--json", tmp_path / f"{name}.json", env=env)
+        out = dual("cpu", "cpu", "--epochs", 1, "--json", tmp_path / f"{name}.json", env=env)
         assert out.returncode == 0, out.stderr
         runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
         runs[name]["stdout"] = out.stdout

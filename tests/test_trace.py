@@ -131,14 +131,16 @@ def test_a_bad_trace_request_is_one_line_before_anything_starts(tmp_path, args, 
     assert "training" not in out.stdout
 
 
-def test_a_trace_is_held_as_a_checkpoint_is(tmp_path):
-    """A second run asking for a live run's --trace (or its picture) is refused."""
+def test_a_trace_is_held_as_a_checkpoint_is(tmp_path, capsys):
+    """A second run asking for a live run's --trace (or its picture) is
+    refused (the first as typed, the second by the script's main())."""
     from conftest import finish, start_dual, wait_until_training
     live = start_dual("cpu", "cpu", "--epochs", 1000, "--trace", tmp_path / "t.json")
     try:
         wait_until_training(live)
         for output in ("t.json", "t.png"):
-            out = dual("cpu", "cpu", "--epochs", 1, "--json", tmp_path / output, timeout=60)
+            out = refused(capsys, "cpu", "cpu", "--epochs", 1, "--json", tmp_path / output,
+                          typed=output == "t.json")
             assert out.returncode == 2 and "is being written by another run" in out.stderr, \
                 out.stderr
     finally:
