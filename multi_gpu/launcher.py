@@ -502,6 +502,7 @@ class Worker:
     # fatal log line of JAX's runtime (glog: F1130 12:00:00.000 123 file.cc:80] ...)
     ERROR = re.compile(r"(worker \d+: error: .*|[\w.]*(Error|Exception)\b.*"
                        r"|F\d{4} \S+ +\d+ \S+\] .*)")
+    FATAL = re.compile(r"F\d{4} \S+ +\d+ \S+\] (.*)")  # its words, told as XLA's
     SPOKEN = re.compile(r"worker 0: (warning|notice): .*")
     quiet = False  # set for every worker once the run is being stopped
 
@@ -555,6 +556,8 @@ class Worker:
         lines = [line for line in self.tail if line.strip()]
         errors = [line.strip() for line in lines if self.ERROR.fullmatch(line.strip())]
         last = (errors or [line.strip() for line in lines] or [None])[-1]
+        fatal = last and self.FATAL.fullmatch(last)
+        last = f"XLA's runtime: {fatal.group(1)}" if fatal else last
         trace = lines[max(i for i, line in enumerate(lines) if line.startswith("Traceback")):-1] \
             if any(line.startswith("Traceback") for line in lines) else []
         return "".join(line + "\n" for line in trace), f"{last} ({how})" if last else how
