@@ -499,10 +499,10 @@ class Worker:
     stopped (JAX's runtime logs pages of fatal lines as its peers go)."""
 
     # what names a failure: our own one-line errors, a Python exception, a
-    # fatal log line of JAX's runtime (glog: F1130 12:00:00.000 123 file.cc:80] ...)
-    ERROR = re.compile(r"(worker \d+: error: .*|[\w.]*(Error|Exception)\b.*"
-                       r"|F\d{4} \S+ +\d+ \S+\] .*)")
-    FATAL = re.compile(r"F\d{4} \S+ +\d+ \S+\] (.*)")  # its words, told as XLA's
+    # fatal log line of JAX's runtime (glog: F1130 12:00:00.000 123 file.cc:80] ...,
+    # whose words are told as XLA's)
+    FATAL = re.compile(r"F\d{4} \S+ +\d+ \S+\] (.*)")
+    ERROR = re.compile(rf"(worker \d+: error: .*|[\w.]*(Error|Exception)\b.*|{FATAL.pattern})")
     SPOKEN = re.compile(r"worker 0: (warning|notice): .*")
     quiet = False  # set for every worker once the run is being stopped
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytensor
 
 from multi_gpu import cli, devices, records
+from multi_gpu.nodes import host_and_port
 
 
 class Diverged(Exception):
@@ -62,7 +63,7 @@ def ended(args, wall):
     line = f"total wall time {wall:.1f} s (start-up and compile included)"
     if not args.node_rank:
         return line
-    host = args.coordinator.rpartition(":")[0]
+    host = host_and_port(args.coordinator)[0]
     return (f"node {args.node_rank}: done; {line}; node 0 ({host}) keeps the run's checkpoint "
             "and summary")
 

@@ -107,17 +107,24 @@ def set_of_runs_of(pid):
     return {p for p in run_folders() - OLDER_FOLDERS if p.name.startswith(f"dual_mlp-{pid}-")}
 
 
-def test_a_launcher_killed_while_worker_0_writes_leaves_no_temporary(tmp_path):
-    """Worker 0 holds still (the fault hook) with its checkpoint written but
-    not yet in place; the launcher is SIGKILLed; worker 0 then goes on, finds
-    itself orphaned, and removes its half-done temporary and the run folder."""
-    ckpt = tmp_path / "ck.npz"
+def held_mid_write(ckpt):
+    """A run of ``--save ckpt`` whose worker 0 holds still (the fault hook)
+    with its first checkpoint written but not yet in place: (the launcher,
+    worker 0)."""
     proc = start_dual("cpu", "cpu", "--epochs", 1000, "--save", ckpt,
                       env={"DUAL_MLP_FAULT": "0:save:stop"})
     worker0 = wait_for(lambda: next((w for w in workers_of(proc)
                                      if w.status() == psutil.STATUS_STOPPED), None), 120,
                        "worker 0 to hold still mid-write")
-    assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+    assert any(p.name.endswith(".tmp") for p in ckpt.parent.iterdir())
+    return proc, worker0
+
+
+def test_a_launcher_killed_while_worker_0_writes_leaves_no_temporary(tmp_path):
+    """Worker 0 holds still with its checkpoint written but not yet in
+    place; the launcher is SIGKILLed; worker 0 then goes on, finds itself
+    orphaned, and removes its half-done temporary and the run folder."""
+    proc, worker0 = held_mid_write(tmp_path / "ck.npz")
     proc.kill()
     proc.communicate()
     worker0.send_signal(signal.SIGCONT)
@@ -129,16 +136,10 @@ def test_a_launcher_killed_while_worker_0_writes_leaves_no_temporary(tmp_path):
 
 
 def test_a_worker_killed_as_it_writes_leaves_no_temporary(tmp_path):
-    """Worker 0 SIGKILLed with its checkpoint written but not yet in place:
-    the run ends naming it, and its half-done temporary (the checkpoint's
-    size) goes with the run; the last checkpoint stays."""
-    ckpt = tmp_path / "ck.npz"
-    proc = start_dual("cpu", "cpu", "--epochs", 1000, "--save", ckpt,
-                      env={"DUAL_MLP_FAULT": "0:save:stop"})
-    worker0 = wait_for(lambda: next((w for w in workers_of(proc)
-                                     if w.status() == psutil.STATUS_STOPPED), None), 120,
-                       "worker 0 to hold still mid-write")
-    assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+    """Worker 0 SIGKILLed with its first checkpoint written but not yet in
+    place: the run ends naming it, and its half-done temporary (the
+    checkpoint's size) goes with the run."""
+    proc, worker0 = held_mid_write(tmp_path / "ck.npz")
     worker0.send_signal(signal.SIGKILL)
     code, _, err = finish(proc, timeout=15)
     assert code == 1 and "worker 0 (device cpu) failed: killed by SIGKILL" in err, err
