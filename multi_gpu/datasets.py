@@ -218,13 +218,19 @@ def room_for(what):
     return (8 << 30 if available is None else available) // what
 
 
-def read_at_most(f, path, limit):
-    """All of ``f``, refused past ``limit`` bytes (read no further)."""
-    raw = f.read(limit + 1)
-    if len(raw) > limit:
-        raise DatasetError(f"{path}: expands to more than {limit / 2**30:.1f} GiB, more than "
-                           "this machine's memory can hold beside the run (a gzip bomb?)")
-    return raw
+def read_at_most(f, path, limit, piece=1 << 20):
+    """All of ``f``, refused past ``limit`` bytes (read no further).  Read in
+    pieces: one read of ``limit`` bytes would ask for a buffer that size
+    before reading a byte, which ``ulimit -v`` refuses (MemoryError)."""
+    pieces, size = [], 0
+    while chunk := f.read(piece):
+        size += len(chunk)
+        if size > limit:
+            raise DatasetError(f"{path}: expands to more than {limit / 2**30:.1f} GiB, more "
+                               "than this machine's memory can hold beside the run (a gzip "
+                               "bomb?)")
+        pieces.append(chunk)
+    return b"".join(pieces)
 
 
 class ArraysOnly(pickle.Unpickler):

@@ -22,6 +22,7 @@ import contextlib
 import math
 import os
 import platform
+import resource
 import shutil
 import warnings
 
@@ -79,16 +80,34 @@ def available_memory():
     """Bytes this process may still take, or None where nothing tells: the
     machine's available memory, or less where a container's limit (a memory
     cgroup, v1 or v2, this process's and its parents') leaves less: there
-    the kernel's OOM killer ends a process long before the machine is full."""
+    the kernel's OOM killer ends a process long before the machine is full;
+    or less where the process's own ``ulimit -v`` (what batch schedulers
+    set) leaves less, past which an allocation is a MemoryError."""
     try:
         with open("/proc/meminfo") as f:
             available = next(int(line.split()[1]) << 10 for line in f
                              if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return None
-    for headroom in cgroup_headrooms():
-        available = min(available, headroom)
+    for headroom in (*cgroup_headrooms(), address_space_left()):
+        if headroom is not None:
+            available = min(available, headroom)
     return max(0, available)
+
+
+def address_space_left():
+    """Bytes this process may still map under its ``ulimit -v`` (RLIMIT_AS),
+    or None where it has none."""
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if limit == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status") as f:
+            mapped = next(int(line.split()[1]) << 10 for line in f
+                          if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return limit - mapped
 
 
 def cgroup_headrooms():

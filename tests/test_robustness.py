@@ -254,6 +254,29 @@ def test_gzip_bombs_are_refused_in_one_line_within_a_containers_memory(tmp_path)
             assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+def test_an_address_space_limit_is_counted_by_every_reader(tmp_path):
+    """Under ``ulimit -v`` (what batch schedulers set) the pickle reader asks
+    for no buffer larger than what it has read (one read of its whole limit
+    was a MemoryError before a byte), and its limit counts the address space
+    left: the Quick start's data trains, and a gzip bomb is refused in one
+    line by every script that reads data."""
+    bomb = tmp_path / "bomb.pkl.gz"
+    gzip_bomb(bomb, 1)
+    limited = "ulimit -v 1500000 && exec env PYTHONPATH={root} {python} {command}"
+    for command, code in (("-m multi_gpu.datasets check " + str(bomb), 1),  # the check failed
+                          (f"{ROOT / 'dual_mlp.py'} cpu cpu --dataset {bomb}", 2)):
+        out = subprocess.run(["sh", "-c", limited.format(root=ROOT, python=sys.executable,
+                                                         command=command)],
+                             capture_output=True, text=True, timeout=120, env=environment())
+        one_line(out, code, "expands to more than", "GiB")
+    for name in ("mlp.py", "dual_mlp.py"):
+        out = subprocess.run(["sh", "-c", f"ulimit -v 4000000 && exec {sys.executable} "
+                              f"{ROOT / name} --epochs 1"], capture_output=True, text=True,
+                             timeout=300, env=environment(), cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert "Optimization complete" in out.stdout
+
+
 @ROOT_ONLY
 def test_the_memory_check_sees_a_containers_limit(tmp_path):
     """In a 1.5 GiB memory cgroup on a larger machine, a model too big for
