@@ -22,12 +22,16 @@ with the GPU's clock (``%globaltimer``, ns) into a ring in host memory
 the same), and ``DeviceClock`` puts those stamps on the host's clock.
 """
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import collections
 import functools
 import json
+import math
 import os
+import stat
 import time
 
 from multi_gpu import files
+from multi_gpu.worker import fault_point
 
 HOST, DEVICE = "host", "device"  # the tracks
 
@@ -204,6 +208,16 @@ def plot(document, path, steps=4, first=None):
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    with matplotlib.rc_context({"text.parse_math": False}):  # a "$" in a name is a "$"
+        return draw(plt, document, path, steps, first)
+
+
+class TooMany(ValueError):
+    """A picture of more phases than one can show."""
+
+
+def draw(plt, document, path, steps, first):
+    """``plot``'s picture, drawn with matplotlib's ``plt``."""
     events = [e for e in document["traceEvents"] if e["ph"] == "X"]
     names = {e["pid"]: e["args"]["name"] for e in document["traceEvents"]
              if e["ph"] == "M" and e["name"] == "process_name"}
@@ -215,12 +229,21 @@ def plot(document, path, steps=4, first=None):
     if not timed:
         raise ValueError(f"no step {first} in the trace")
     lo, hi = min(e["ts"] for e in timed), max(e["ts"] + e["dur"] for e in timed)
-    shown = [e for e in events if e["ts"] < hi and e["ts"] + e["dur"] > lo]
-    lanes = sorted({(e["pid"], e["tid"]) for e in shown})
+    shown = collections.defaultdict(list)  # by lane
+    for e in events:
+        if e["ts"] < hi and e["ts"] + e["dur"] > lo:
+            shown[e["pid"], e["tid"]].append(e)
+    bars = sum(map(len, shown.values()))
+    if bars > MOST_BARS:
+        raise TooMany(f"steps {first}-{first + steps - 1} hold {bars:,} phases, more than a "
+                      f"picture shows ({MOST_BARS:,}): fewer --steps")
+    lanes = sorted(shown)
+    if len(lanes) > MOST_LANES:
+        raise TooMany(f"{len(lanes)} workers' tracks, more than a picture shows ({MOST_LANES})")
     fig, ax = plt.subplots(figsize=(12, 0.7 * len(lanes) + 1.6))
     seen = {}
-    for y, (pid, tid) in enumerate(reversed(lanes)):
-        for e in (e for e in shown if (e["pid"], e["tid"]) == (pid, tid)):
+    for y, lane in enumerate(reversed(lanes)):
+        for e in shown[lane]:
             start, end = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
             bar = ax.broken_barh([(start - lo, max(end - start, 0.5))], (y - 0.35, 0.7),
                                  color=colour(e["name"]), edgecolor="white", linewidth=0.3)
@@ -237,39 +260,125 @@ def plot(document, path, steps=4, first=None):
     fig.tight_layout()
     with files.atomic_write(path) as f:
         fig.savefig(f, format="png", dpi=110)
+        fault_point("trace", "write")  # the tests' hook: a picture not yet in place
     plt.close(fig)
     return path
 
 
+# the most a trace that ``python -m multi_gpu.trace`` redraws may hold: about 50,000
+# worker-steps (a --trace writes about 1.3 KB a step a worker; larger ones open in Perfetto)
+MOST_BYTES = 64 << 20
+MOST_BARS, MOST_LANES = 20000, 128  # phases, and workers' tracks, in one picture
+
+
+class NotATrace(ValueError):
+    """A file that is not a trace this project wrote: why, in a few words."""
+
+
+def read(path):
+    """The trace at ``path``, checked to be one ``chrome_trace`` writes before
+    anything in it is used: a regular file (not a FIFO, which would block,
+    nor a device, which never ends) of at most MOST_BYTES, JSON with finite
+    numbers, nested as the project writes it, every event of the kinds
+    and fields the picture reads."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise NotATrace(f"cannot read it: {e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotATrace("not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        if st.st_size > MOST_BYTES:
+            raise NotATrace(f"{st.st_size / 2**20:.0f} MB, more than the "
+                            f"{MOST_BYTES >> 20} MB this tool redraws (ui.perfetto.dev opens it)")
+        raw = f.read(MOST_BYTES + 1)
+
+    def no_constant(name):
+        raise NotATrace(f"{name} in it, where a trace has numbers")
+    try:
+        document = json.loads(raw, parse_constant=no_constant)
+    except RecursionError:
+        raise NotATrace("nested deeper than a trace") from None
+    except ValueError as e:  # JSON's errors, and bytes that are not UTF-8
+        raise NotATrace(str(e).split("\n")[0][:120]) from None
+    check(document)
+    return document
+
+
+def check(document):
+    """Refuse (``NotATrace``) a document that ``chrome_trace`` would not have written."""
+    def need(ok, what):
+        if not ok:
+            raise NotATrace(what)
+
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    def count(x, most=1 << 31):
+        return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < most
+    need(isinstance(document, dict) and isinstance(document.get("traceEvents"), list),
+         "no traceEvents list")
+    about = document.get("otherData")
+    need(isinstance(about, dict) and isinstance(about.get("title"), str)
+         and len(about["title"]) <= 200, "no otherData title")
+    named, kinds, phases = set(), set(), 0
+    for e in document["traceEvents"]:
+        need(isinstance(e, dict) and e.get("ph") in ("M", "X") and count(e.get("pid"), 1 << 16)
+             and isinstance(e.get("name"), str) and len(e["name"]) <= 100
+             and isinstance(e.get("args"), dict), "an event that is not one of a trace's")
+        if e["ph"] == "M":
+            if e["name"] == "process_name":
+                need(isinstance(e["args"].get("name"), str) and len(e["args"]["name"]) <= 100,
+                     "a worker without a name")
+                named.add(e["pid"])
+            continue
+        args = e["args"]
+        need(e.get("tid") in (0, 1) and number(e.get("ts")) and number(e.get("dur"))
+             and e["dur"] >= 0 and count(args.get("step"))
+             and count(args.get("steps", 1), 1 << 20), f"a phase without its times: {e}"[:200])
+        need(e["pid"] in named, f"a phase of worker {e['pid']}, which it does not name")
+        phases += 1
+        kinds.add("waiting" if e["name"].startswith("waiting for worker") else e["name"])
+    need(phases, "no phases in it")
+    need(len(kinds) <= 20, f"{len(kinds)} kinds of phase, where a trace has a few")
+
+
 def main(argv=None):
     """``python -m multi_gpu.trace PATH.json``: draw PATH.png again from a trace."""
-    from multi_gpu.cli import Parser, positive_int
-    parser = Parser(prog="python -m multi_gpu.trace",
-                    about="Draw a --trace file's picture again (PATH.png beside it).")
+    from multi_gpu import cli
+    cli.quiet_start_up()
+    parser = cli.Parser(prog="python -m multi_gpu.trace",
+                        about="Draw a --trace file's picture again (PATH.png beside it).")
     parser.add_argument("trace", metavar="PATH.json")
     parser.add_argument("--first", type=int, metavar="STEP",
                         help="the picture's first step, counted over the run from 0 "
                         "(default: the trace's first)")
-    parser.add_argument("--steps", type=positive_int, default=4, metavar="N",
+    parser.add_argument("--steps", type=cli.positive_int, default=4, metavar="N",
                         help="steps in the picture (default 4; three calls at least where the "
                         "device's track knows only calls)")
     args = parser.parse_args(argv)
     path, picture = args.trace, os.path.splitext(args.trace)[0] + ".png"
+    if cli.same_file(path, picture):
+        parser.error(f"{path}: the picture would be written over the trace: name it .json")
     try:
-        with open(path) as f:
-            document = json.load(f)
-        steps = {e["args"]["step"] for e in document["traceEvents"] if e["ph"] == "X"}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        parser.error(f"{path}: not a --trace file ({e})")
+        document = read(path)
+    except NotATrace as e:
+        parser.error(f"{path}: not a --trace file of this project ({e})")
+    steps = {e["args"]["step"] for e in document["traceEvents"] if e["ph"] == "X"}
     if args.first is not None and args.first not in steps:
         parser.error(f"--first {args.first}: the trace holds steps {min(steps)} to {max(steps)}")
     try:
-        if plot(document, picture, args.steps, args.first):
-            print(f"wrote {picture}")
+        with cli.on_quit(files.drop_unfinished_writes):
+            if plot(document, picture, args.steps, args.first):
+                print(f"wrote {picture}")
+    except TooMany as e:
+        parser.error(str(e))
     except OSError as e:
         raise SystemExit(f"python -m multi_gpu.trace: error: cannot write {picture}: "
                          f"{e.strerror or e}")
 
+
 if __name__ == "__main__":
     main()
-

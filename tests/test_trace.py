@@ -1,12 +1,17 @@
 """--trace: the timeline a run writes of its own phases, on the CPU (the GPU
 orderings' run on the device: tests/test_gpu.py)."""
 import collections
+import copy
 import json
 import os
+import signal
+import subprocess
+import sys
 
+import psutil
 import pytest
 
-from conftest import ROOT, dual, refused, run_once
+from conftest import ROOT, dual, environment, refused, run_once, wait_for
 
 HOST_PHASES = ["train", "publish", "signal", "copy", "signal", "average"]
 
@@ -211,8 +216,6 @@ def test_the_trace_starts_at_the_second_epoch_a_run_trains(resumed, epochs, wind
 def test_a_trace_is_drawn_again_from_a_chosen_step(traced):
     """``python -m multi_gpu.trace PATH.json --first STEP``: the picture
     again, from that step; a step the trace does not hold is one line."""
-    import subprocess
-    import sys
     folder, document, _ = traced
     picture = folder / "run.png"
     before = picture.read_bytes()
@@ -226,3 +229,85 @@ def test_a_trace_is_drawn_again_from_a_chosen_step(traced):
                              text=True, cwd=ROOT)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     assert f"the trace holds steps {first} to {first + 7}" in refused.stderr
+
+
+def damaged(document):
+    """Files that are not a trace this project wrote, each named: a trace's
+    document damaged one way, or bytes that are no trace at all."""
+    def edit(change):
+        d = copy.deepcopy(document)
+        change(d, next(e for e in d["traceEvents"] if e["ph"] == "X"))
+        return json.dumps(d)
+    return {
+        "no events": '{"traceEvents": []}',
+        "no phases": edit(lambda d, x: d.update(traceEvents=[e for e in d["traceEvents"]
+                                                             if e["ph"] == "M"])),
+        "a phase without its worker": edit(lambda d, x: x.pop("pid")),
+        "no otherData": edit(lambda d, x: d.pop("otherData")),
+        "a NaN time": edit(lambda d, x: x.update(ts=float("nan"))),
+        "a time as text": edit(lambda d, x: x.update(dur="1")),
+        "another kind of event": edit(lambda d, x: x.update(ph="B")),
+        "a phase name of 1 MB": edit(lambda d, x: x.update(name="x" * (1 << 20))),
+        "nested 200000 deep": "[" * 200000,
+        "not UTF-8": b"\xff\xfe{",
+        "70 MB of a name": b'{"traceEvents": [{"name": "' + b"n" * (70 << 20) + b'"}]}',
+    }
+
+
+def test_the_trace_tool_refuses_what_is_not_a_trace_in_one_line(traced, tmp_path, capsys):
+    """``python -m multi_gpu.trace`` reads only a trace this project wrote,
+    checked before it is used, within bounded time and memory: anything else
+    (damaged, not JSON, a FIFO, a device, a folder) is one line, exit 2,
+    and no picture; a "$" in a trace's names is drawn as a "$" (not
+    matplotlib's mathematics); a picture of more phases than it can show is
+    one line too."""
+    _, document, _ = traced
+    cases = {}
+    for name, text in damaged(document).items():
+        cases[name] = tmp_path / f"{len(cases)}.json"
+        cases[name].write_bytes(text if isinstance(text, bytes) else text.encode())
+    cases["a FIFO"] = tmp_path / "fifo.json"
+    os.mkfifo(cases["a FIFO"])
+    cases["a device"] = "/dev/zero"
+    cases["a folder"] = tmp_path / "folder.json"
+    cases["a folder"].mkdir()
+    for name, path in cases.items():
+        out = refused(capsys, path, name="multi_gpu.trace")
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, (name, out.stderr[-300:])
+        assert "not a --trace file of this project" in out.stderr, (name, out.stderr)
+        assert not list(tmp_path.glob("*.png")), name
+    odd = json.loads(json.dumps(document))
+    odd["otherData"]["title"] = "$\\x$ and $"
+    for e in odd["traceEvents"]:
+        if e["name"] == "process_name":
+            e["args"]["name"] += " $\\y$"
+    (tmp_path / "odd.json").write_text(json.dumps(odd))
+    out = refused(capsys, tmp_path / "odd.json", name="multi_gpu.trace")
+    assert out.returncode in (0, None) and out.stderr == "", out.stderr  # main() returns None
+    assert (tmp_path / "odd.png").stat().st_size > 10000
+    x = next(e for e in document["traceEvents"] if e["ph"] == "X")
+    crowded = dict(document, traceEvents=document["traceEvents"] + [x] * 30000)
+    (tmp_path / "crowded.json").write_text(json.dumps(crowded))
+    out = refused(capsys, tmp_path / "crowded.json", name="multi_gpu.trace")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "more than a picture shows" in out.stderr
+    assert not (tmp_path / "crowded.png").exists()
+
+
+@pytest.mark.parametrize("signum", [2, 15])
+def test_the_trace_tool_stopped_mid_write_leaves_no_temporary(traced, tmp_path, signum):
+    """Ctrl-C or SIGTERM while the picture is being written: one word, no
+    traceback, and neither the picture nor its temporary left."""
+    (tmp_path / "run.json").write_text(json.dumps(traced[1]))
+    proc = subprocess.Popen([sys.executable, "-m", "multi_gpu.trace", str(tmp_path / "run.json")],
+                            cwd=ROOT, env=environment({"DUAL_MLP_FAULT": "trace:write:stop"}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 60,
+             "the picture's write")
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    os.kill(proc.pid, signum)
+    os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signum and err == "interrupted\n", (proc.returncode, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
