@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
 
 
@@ -62,12 +63,33 @@ def no_room(error, folder):
 
 def remove_folder(path):
     """Remove the run folder ``path`` and all in it, where it is this user's
-    alone (``check_folder``); another user's, or a link, is left as it is."""
+    alone (``check_folder``); another user's, or a link, is left as it is.
+    Returns why what was ours is still there, or None."""
     try:
         check_folder(path)
     except (OSError, NotPrivate):
-        return
-    shutil.rmtree(path, ignore_errors=True)
+        return None
+    while SPARE:  # the descriptors removing it needs, where the process has no others left
+        os.close(SPARE.pop())
+    failed = []
+
+    def note(function, name, e):  # onexc's exception, or onerror's (type, value, traceback)
+        failed.append(e if isinstance(e, BaseException) else e[1])
+    shutil.rmtree(path, **{"onexc" if sys.version_info >= (3, 12) else "onerror": note})
+    return next((e.strerror or str(e) for e in failed if not isinstance(e, FileNotFoundError)),
+                None)
+
+
+SPARE = []  # descriptors held for the run folder's removal (``keep_descriptors``)
+
+
+def keep_descriptors(n=4):
+    """Hold ``n`` descriptors (of /dev/null) for ``remove_folder``: where this
+    process's open files fill up while it runs (a stranger's connections held
+    open to its listening socket, ``ulimit -n`` lowered under it), removing
+    the run folder still finds the few it needs."""
+    while len(SPARE) < n:
+        SPARE.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
 
 
 def _checked(fd, path):

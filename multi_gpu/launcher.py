@@ -674,6 +674,7 @@ def launch(args, shapes, script, rundir, link):
     made exclusively (``files.make_folder``): one that is there already is
     someone else's, and is left as it is."""
     cli.install_stop_handler(request_stop)
+    files.keep_descriptors()
     workers, n_local, made = [], len(args.devices), False
     Worker.quiet = False
     try:
@@ -766,8 +767,10 @@ def launch(args, shapes, script, rundir, link):
                 f"{resume_hint(args, shapes)}{unkillable(left)}", file=sys.stderr)
         return 128 + stopping.signum, "", None, False
     finally:
-        if made:
-            shutil.rmtree(rundir, ignore_errors=True)
+        why = made and files.remove_folder(rundir)
+        if why:
+            cli.say(f"error: the run folder {rundir} could not be removed ({why}): remove it "
+                    "by hand", file=sys.stderr)
 
 
 def stall_patience(timeout):

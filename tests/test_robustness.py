@@ -8,6 +8,7 @@ import gzip
 import hashlib
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -20,8 +21,8 @@ import psutil
 import pytest
 
 from multi_gpu import datasets
-from conftest import (ROOT, dual, environment, finish, leftover_workers, script, start_dual,
-                      wait_for, wait_until_training, workers_of)
+from conftest import (ROOT, dual, environment, finish, leftover_workers, run_directories, script,
+                      start_dual, wait_for, wait_until_training, workers_of)
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups, mounts)")
 
@@ -252,6 +253,24 @@ def test_gzip_bombs_are_refused_in_one_line_within_a_containers_memory(tmp_path)
             assert out.returncode in (1, 2) and words in out.stderr, (command, out.returncode,
                                                                        out.stderr[-500:])
             assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_launcher_whose_open_files_run_out_still_removes_its_run_folder():
+    """Where the launcher's open files fill up as it runs (a stranger's
+    connections held open to node 0's lobby at ``ulimit -n 1024``; here its
+    limit lowered to what it holds, mid-run): the run ends as it would, exit
+    0, and its run folder still goes (the launcher kept a few descriptors
+    back for that; the clean-up failed without a word before)."""
+    before = run_directories()
+    proc = start_dual("cpu", "cpu", "--epochs", 3)
+    wait_until_training(proc)
+    held = {int(fd) for fd in os.listdir(f"/proc/{proc.pid}/fd")}
+    lowest_free = min(set(range(len(held) + 1)) - held)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (lowest_free, hard))
+    code, _, err = finish(proc, timeout=120)
+    assert code == 0 and err == "", err
+    assert run_directories() - before == set()
 
 
 def test_an_address_space_limit_is_counted_by_every_reader(tmp_path):
