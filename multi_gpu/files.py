@@ -61,6 +61,14 @@ def no_room(error, folder):
             "system full? (another process may have filled /dev/shm after the run's check)")
 
 
+def full(folder):
+    """Has the file system of ``folder`` no room left (less than 1 MB)?"""
+    try:
+        return shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
+
+
 def remove_folder(path):
     """Remove the run folder ``path`` and all in it, where it is this user's
     alone (``check_folder``); another user's, or a link, is left as it is.

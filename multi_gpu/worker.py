@@ -59,7 +59,7 @@ def stop_point(rank, where):
 
 
 FAULT = os.environ.get("DUAL_MLP_FAULT", "").split(":")  # read once: it is on every step's path
-FAULT_PLACES = ("start", "train", "exchange", "save", "spawned", "folder")
+FAULT_PLACES = ("compile", "start", "train", "exchange", "save", "spawned", "folder")
 FAULT_KINDS = ("raise", "oom", "kill", "hint", "stop")
 
 
@@ -77,8 +77,8 @@ def fault_spec_problem():
 
 def fault_point(rank, where):
     """The fault tests' hook: DUAL_MLP_FAULT=RANK:WHERE:HOW makes worker RANK
-    fail on reaching WHERE (start, train, exchange, save: a checkpoint written
-    but not yet in place) by HOW (raise, oom, kill,
+    fail on reaching WHERE (compile: before it opens its device, start,
+    train, exchange, save: a checkpoint written but not yet in place) by HOW (raise, oom, kill,
     or hint: an error whose message ends in a hint line, as PyTensor's do),
     or pause there (stop: SIGSTOP, until the test has acted and sends SIGCONT)."""
     if FAULT[:2] != [str(rank), where]:
@@ -374,6 +374,7 @@ def run_worker(work, index, launcher_pid, one_line_errors):
     # it never removes: this worker's go into the run folder, which goes with the run
     tempfile.tempdir = os.path.join(rundir, f"tmp-{index}")
     os.mkdir(tempfile.tempdir)
+    fault_point(rank, "compile")
     keep_stdout_clean(rank, index == 0, rundir)
     watchdog = Watchdog(rank, world, rundir, LAUNCHER, args.timeout)
     code = 0
@@ -391,8 +392,9 @@ def run_worker(work, index, launcher_pid, one_line_errors):
             print(f"worker {rank}: error: it could not start a thread: is the user's process "
                   "limit (ulimit -u) too low?", file=sys.stderr)
             code = 1
-        elif isinstance(e, OSError) and e.errno in files.NO_ROOM and e.filename and \
-                str(e.filename).startswith(rundir):
+        elif isinstance(e, OSError) and e.errno in files.NO_ROOM and (
+                str(e.filename).startswith(rundir) or e.filename is None and files.full(rundir)):
+            # (PyTensor's compiled sources, written into the run folder, name no file)
             print(f"worker {rank}: error: {files.no_room(e, rundir)}", file=sys.stderr)
             code = 1
         else:

@@ -344,6 +344,30 @@ kill -CONT $L; wait $L; echo $? > {tmp_path / 'code'}"""
     assert who in err[0] and "error: no room left in the run folder /dev/shm/dual_mlp-" in err[0]
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                    reason="needs root and unshare, for a small /dev/shm of its own")
+def test_a_dev_shm_filled_as_a_worker_compiles_is_one_line(tmp_path):
+    """A neighbour fills /dev/shm as worker 0 compiles, worker 1 waiting for
+    it: PyTensor writes each compiled graph's source into the run folder,
+    and its error names no file; worker 0 says in one line that the run
+    folder has no room (it was a traceback ending in a bare OSError)."""
+    run = f"""mount -t tmpfs -o size=40m tmpfs /dev/shm || exit 99
+{sys.executable} {ROOT / 'dual_mlp.py'} cpu cpu --epochs 2 2> {tmp_path / 'err'} &
+L=$!
+until W=$(pgrep -f -- "--worker 0 $L") && [ "$(ps -o stat= -p $W | cut -c1)" = T ] &&
+      ls /dev/shm/dual_mlp-*/weights1.bin >/dev/null 2>&1; do sleep 0.05; done
+dd if=/dev/zero of=/dev/shm/filler bs=1M count=100 2>/dev/null
+kill -CONT $W; wait $L; echo $? > {tmp_path / 'code'}"""
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", run],
+                         capture_output=True, text=True, timeout=120,
+                         env=environment({"DUAL_MLP_FAULT": "0:compile:stop"}))
+    if out.returncode == 99:
+        pytest.skip(f"no mount namespace here: {out.stderr.strip()}")
+    err = (tmp_path / "err").read_text().strip().splitlines()
+    assert (tmp_path / "code").read_text().strip() == "1" and len(err) == 1, err
+    assert "failed: worker 0: error: no room left in the run folder /dev/shm/dual_mlp-" in err[0]
+
+
 @ROOT_ONLY
 def test_an_output_folder_made_read_only_mid_run_leaves_no_traceback(tmp_path):
     """The folder of --save turns read-only during the run (a read-only bind
