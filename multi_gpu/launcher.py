@@ -502,6 +502,8 @@ class Worker:
     # fatal log line of JAX's runtime (glog: F1130 12:00:00.000 123 file.cc:80] ...,
     # whose words are told as XLA's)
     FATAL = re.compile(r"F\d{4} \S+ +\d+ \S+\] (.*)")
+    # XLA reads XLA_FLAGS only as a worker starts: a flag it does not know is bad input all the same
+    BAD_INPUT = "XLA's runtime: Unknown flag in XLA_FLAGS"
     ERROR = re.compile(rf"(worker \d+: error: .*|[\w.]*(Error|Exception)\b.*|{FATAL.pattern})")
     SPOKEN = re.compile(r"worker 0: (warning|notice): .*")
     quiet = False  # set for every worker once the run is being stopped
@@ -760,7 +762,8 @@ def launch(args, shapes, script, rundir, link):
                 trace, cause = w.cause()
                 why = f"worker {w.rank} (device {w.dev}) failed: {cause}"
             at = "" if " at epoch " in why else at  # another node's word says where already
-            return 1, trace, f"{why}{at}{unkillable(left)}", bool(verdict) and link.gone()
+            return 2 if Worker.BAD_INPUT in why else 1, trace, f"{why}{at}{unkillable(left)}", \
+                bool(verdict) and link.gone()
         left = stop(workers)
         link.tell("failed", f"interrupted ({signal.Signals(stopping.signum).name})", final=True)
         cli.say(f"interrupted ({signal.Signals(stopping.signum).name})"
@@ -805,7 +808,7 @@ def supervise(args, shapes, script, rundir, link):
             break
         if args.node_rank and not link.ordered():
             link.tell("failed", why)  # node 0 decides whether the run starts again
-        if restart > args.max_restarts or lost:
+        if restart > args.max_restarts or lost or code == 2:  # bad input fails again
             break
         try:
             order = link.ordered() or (link.await_order() if args.node_rank else None)

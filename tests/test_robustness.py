@@ -420,9 +420,11 @@ def test_a_limit_of_open_files_too_low_to_raise_is_one_line():
 def test_xla_flags_that_are_not_flags_are_one_line():
     one_line(dual("cpu", "cpu", env={"XLA_FLAGS": "not a flag"}, timeout=60), 2,
              "XLA_FLAGS: 'not' is not a flag (each starts with --")
-    # one XLA does not know: its runtime's words, without its log's stamp, and nothing left
-    out = dual("cpu", "cpu", env={"XLA_FLAGS": "--xla_no_such_flag=1"}, timeout=60)
-    one_line(out, 1, "failed: XLA's runtime: Unknown flag in XLA_FLAGS: --xla_no_such_flag=1")
+    # one XLA does not know: its runtime's words, without its log's stamp, and nothing left;
+    # bad input, though XLA reads it only as a worker starts: exit 2, and no restart
+    out = dual("cpu", "cpu", "--max-restarts", 1, env={"XLA_FLAGS": "--xla_no_such_flag=1"},
+               timeout=60)
+    one_line(out, 2, "failed: XLA's runtime: Unknown flag in XLA_FLAGS: --xla_no_such_flag=1")
     assert not re.search(r"^F\d{4} ", out.stderr, re.M), out.stderr
 
 
