@@ -69,6 +69,8 @@ def test_default_run_on_the_shipped_digits_learns(tmp_path):
         assert summary[key] > 0
     assert summary["config"]["batch_size"] == 100 and "max_replica_diff" not in summary
     assert summary["exchange"] == "p2p" and summary["sync"] == "host"
+    assert summary["config"]["avg"] == "pycuda"
+    phases_add_up(summary["step_us"])
     assert any(line.startswith("Trained at ") and ": train " in line for line in lines)
     params, best, state = load(tmp_path / "m.npz")
     assert state["epoch"] == 4 and state["validation_errors"] == pytest.approx(errors)
@@ -158,16 +160,19 @@ def test_cpu_workers_compile_with_jax_and_keep_it_numba_one_flag_away(tmp_path):
     assert len(errors) == 2 and errors[1] < 25.0  # chance: 90 %
 
 
-@pytest.mark.parametrize("avg", ["pycuda", "theano"])
-def test_a_cpu_runs_phases_add_up_to_its_step(tmp_path, avg):
+def phases_add_up(us):
     """The host-ordered loop's phases, each timed around its own call, are
     the step: what is left between them (the minibatch's index, the loop) is
     a small part of it."""
-    out = dual("cpu", "cpu", "--avg", avg, "--epochs", 4, "--json", tmp_path / "run.json")
-    assert out.returncode == 0, out.stderr
-    us = json.loads((tmp_path / "run.json").read_text())["step_us"]
     phases = sum(us[k] for k in ("train", "publish", "signal", "waiting", "copy", "average"))
     assert 0.9 * us["step"] <= phases <= us["step"], us
     assert us["exchange"] == pytest.approx(us["publish"] + us["signal"] + us["waiting"] +
                                            us["copy"])
+
+
+def test_a_cpu_runs_phases_add_up_to_its_step_under_the_compiled_average(tmp_path):
+    """(Under the default --avg: the default run's test, above.)"""
+    out = dual("cpu", "cpu", "--avg", "theano", "--epochs", 4, "--json", tmp_path / "run.json")
+    assert out.returncode == 0, out.stderr
+    phases_add_up(json.loads((tmp_path / "run.json").read_text())["step_us"])
 
