@@ -109,6 +109,11 @@ def apply(environ=os.environ):
         print(f"{script}: error: {threads}: not a number of threads (a positive integer): "
               "set it to one, or unset it", file=sys.stderr)
         sys.exit(2)
+    # before NumPy's BLAS starts its threads, one a core (a worker's: its launcher counted them)
+    too_few = "--worker" not in sys.argv and threads_problem((os.cpu_count() or 2) + 8, script)
+    if too_few:
+        print(f"{script}: error: {too_few}", file=sys.stderr)
+        sys.exit(2)
     try:
         pytensor_flags, warnings, DEVICE = to_pytensor(*given.values())
         DEVICE_ASKED = parse(given["THEANO_FLAGS"]).get("device")
@@ -157,6 +162,40 @@ def apply(environ=os.environ):
         pytensor.config.floatX = FLOATX[0]
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
+
+
+# the threads a process that trains starts: NumPy's BLAS and XLA's pools, one a core and more
+THREADS_PER_PROCESS = 32 + 2 * (os.cpu_count() or 2)
+
+
+def threads_problem(needed, who):
+    """Why the user's limit of processes (``ulimit -u``, which counts threads)
+    leaves too little room for ``needed`` more threads, or None (root is held
+    to no limit): a thread that cannot start ends a process deep in a
+    library, in its words (XLA's abort, or BLAS's lines)."""
+    import resource
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft == resource.RLIM_INFINITY or os.geteuid() == 0:
+        return None
+    running = threads_of(os.getuid())
+    if running + needed <= soft:
+        return None
+    return (f"ulimit -u {soft}: this user runs {running} threads already, and {who} needs "
+            f"about {needed} more (ulimit -u counts threads)")
+
+
+def threads_of(uid):
+    """How many threads the processes of ``uid`` run now (Linux's /proc)."""
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(status["Uid"].split()[0]) == uid:
+                count += int(status["Threads"])
+        except (OSError, KeyError, ValueError):
+            pass
+    return count
 
 
 def keep_a_stdout():

@@ -349,28 +349,9 @@ def check_limits(n_local):
             raise UsageError(f"ulimit -n {soft}: the run needs about {files_needed} open files "
                              f"(this user may raise it to {hard} only)")
         resource.setrlimit(resource.RLIMIT_NOFILE, (files_needed, hard))
-    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
-    if soft == resource.RLIM_INFINITY or os.geteuid() == 0:
-        return
-    threads_needed = (32 + 2 * (os.cpu_count() or 2)) * n_local + 16
-    running = threads_of(os.getuid())
-    if running + threads_needed > soft:
-        raise UsageError(f"ulimit -u {soft}: this user runs {running} threads already, and the "
-                         f"run needs about {threads_needed} more (ulimit -u counts threads)")
-
-
-def threads_of(uid):
-    """How many threads the processes of ``uid`` run now (Linux's /proc)."""
-    count = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                status = dict(line.split(":", 1) for line in f if ":" in line)
-            if int(status["Uid"].split()[0]) == uid:
-                count += int(status["Threads"])
-        except (OSError, KeyError, ValueError):
-            pass
-    return count
+    too_few = flags.threads_problem(flags.THREADS_PER_PROCESS * n_local + 16, "the run")
+    if too_few:
+        raise UsageError(too_few)
 
 
 def check_xla_flags():

@@ -78,6 +78,10 @@ def run(script, train, dataset, outputs=None, shapes=None):
     for bad input, 1 for a write that failed at the end (the file before
     it is kept)."""
     outputs = outputs or {}
+    too_few = flags.threads_problem(flags.THREADS_PER_PROCESS + 16, script)
+    if too_few:  # said before XLA starts its pools
+        print(f"{script}: error: {too_few}", file=sys.stderr)
+        return 2
     try:
         dataset, _ = resolve(dataset)
         clash = cli.clash({"--dataset": datasets.files_of(dataset)},

@@ -9,6 +9,7 @@ import hashlib
 import os
 import re
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
@@ -486,28 +487,47 @@ def test_a_batch_of_one_trains_without_a_rewrite_traceback():
         assert out.returncode == 0 and out.stderr == "", (name, out.stderr[-1500:])
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
-                    reason="needs root, to run as another user (root has no process limit)")
-def test_a_process_limit_too_low_for_the_workers_threads_is_one_line():
+def as_nobody(nproc, command, tmp_path):
+    """``command`` as uid 65534 (root is held to no process limit) under
+    ``ulimit -u nproc``, HOME a folder of its own.  This Python may live in
+    root's home, which no other user may enter: in a private mount namespace,
+    an open folder is laid over it, holding each of its entries (each keeps
+    its own mode), and nothing else sees the change."""
+    if not all(map(shutil.which, ("unshare", "setpriv", "prlimit"))):
+        pytest.skip("needs unshare, setpriv and prlimit, to run as another user")
+    real = tmp_path / "root"
+    real.mkdir(exist_ok=True)  # a mount point in the namespace alone
+    home = tempfile.mkdtemp(prefix="dual_mlp-tests-nobody-", dir="/tmp")  # that user may write
+    os.chmod(home, 0o777)
+    lay_open = (f"mount --bind / {real} && mount -t tmpfs -o mode=755 tmpfs /root && "
+                f"for e in {real}/root/.[!.]* {real}/root/*; do [ -e \"$e\" ] || continue; "
+                "n=/root/${e##*/}; if [ -d \"$e\" ]; then mkdir \"$n\"; else touch \"$n\"; fi; "
+                "mount --bind \"$e\" \"$n\"; done")
+    nobody = (f"setpriv --reuid=65534 --regid=65534 --clear-groups prlimit --nproc={nproc} "
+              f"env HOME={home} PYTENSOR_FLAGS=base_compiledir={home}")
+    try:
+        out = subprocess.run(["unshare", "--mount", "sh", "-c", f"{lay_open} && cd {home} && "
+                              f"exec {nobody} {shlex.join(map(str, command))}"],
+                             capture_output=True, text=True, timeout=120, env=environment())
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    if "mount" in out.stderr and out.returncode:
+        pytest.skip(f"no mount namespace here: {out.stderr.strip()}")
+    return out
+
+
+@ROOT_ONLY
+def test_a_process_limit_too_low_for_the_threads_is_one_line(tmp_path):
     """``ulimit -u`` counts threads, and a worker's XLA starts dozens: too
     low a limit is said before any worker starts, not as a thread that
-    could not start deep inside one."""
-    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "prlimit"]
-    if not shutil.which("prlimit") or subprocess.run(
-            [*nobody, "--nproc=1000", sys.executable, "-c", "import numpy"],
-            capture_output=True).returncode:
-        pytest.skip("another user cannot run this Python (it lives in a folder of root's)")
-    cache = tempfile.mkdtemp(prefix="dual_mlp-tests-nobody-")
-    os.chmod(cache, 0o777)
-    try:
-        out = subprocess.run(
-            [*nobody, "--nproc=40", sys.executable, str(ROOT / "dual_mlp.py"), "cpu", "cpu"],
-            capture_output=True, text=True, timeout=120, cwd=cache,
-            env=environment({"HOME": cache, "PYTENSOR_FLAGS": f"base_compiledir={cache}"}))
-        one_line(out, 2, "ulimit -u 40: this user runs", "threads already, and the run needs "
-                 "about")
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
+    could not start deep inside one; the tutorial's script says it before
+    NumPy's BLAS starts its threads (it printed BLAS's lines, or XLA's abort)."""
+    out = as_nobody(40, [sys.executable, ROOT / "dual_mlp.py", "cpu", "cpu"], tmp_path)
+    one_line(out, 2, "ulimit -u 40: this user runs", "threads already, and the run needs about")
+    for nproc in (1, 8):
+        out = as_nobody(nproc, [sys.executable, ROOT / "mlp.py", "--epochs", 1], tmp_path)
+        one_line(out, 2, f"mlp.py: error: ulimit -u {nproc}: this user runs",
+                 "threads already, and mlp.py needs about")
 
 
 def test_a_benchmark_killed_mid_run_leaves_no_temporary_folder(tmp_path):
