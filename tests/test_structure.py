@@ -3,6 +3,7 @@ modules import one another without cycles, and THEANO_FLAGS honoured
 whichever module a process imports first."""
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -76,3 +77,36 @@ def test_theano_flags_reach_pytensor_whichever_module_is_imported_first(module):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["DebugMode", "float64"], (out.stdout, out.stderr)
+
+
+def test_the_constraints_pin_every_requirement_on_every_python_ci_tests():
+    """requirements-constraints.txt (``bash .ci/run --pin``) holds, for each
+    Python that .ci/run tests, a version of every package the requirements
+    name that the requirement admits: ``pip install -r requirements.txt -c
+    requirements-constraints.txt`` reproduces a green run on any of them."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    pythons = re.search(r"^PYTHONS=\((.*)\)$", (ROOT / ".ci" / "run").read_text(), re.M)
+    pythons = pythons.group(1).split()
+    assert len(pythons) >= 2  # the oldest and the newest supported (issue 53)
+    readme = (ROOT / "README.md").read_text()
+    assert f"Python {pythons[0]} to {pythons[-1]}" in readme
+
+    def lines(name):
+        for line in (ROOT / name).read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line and not line.startswith("-"):
+                yield Requirement(line)
+    pins = list(lines("requirements-constraints.txt"))
+    for python in pythons:
+        env = {"python_version": python}
+        pinned = {canonicalize_name(pin.name): pin.specifier for pin in pins
+                  if not pin.marker or pin.marker.evaluate(env)}
+        for wanted in (*lines("requirements.txt"), *lines("requirements-test.txt")):
+            if wanted.marker and not wanted.marker.evaluate(env):
+                continue
+            name = canonicalize_name(wanted.name)
+            assert name in pinned, f"{name} is not pinned for Python {python}"
+            exact = next(iter(pinned[name]))
+            assert exact.operator == "==" and wanted.specifier.contains(exact.version), \
+                f"{name}: {exact} for Python {python} is not {wanted}"
