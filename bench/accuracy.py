@@ -28,7 +28,7 @@ import os
 import sys
 import tempfile
 
-from bench.common import RESULTS, load, measured_by, parse_args, pyplot, record
+from bench.common import OUT, load, measured_by, parse_args, pyplot, record, show
 from bench.compare import K, ONE_GPU, STEPS_PER_CALL, run, summary_of
 
 from multi_gpu import datasets
@@ -163,7 +163,7 @@ def main():
                         help="squared L2 weight penalty (default: %(default)s)")
     parser.add_argument("--average-every", type=cli.positive_int, nargs="+", default=[1, 2, 4, 8],
                         metavar="H", help="the demo's H values (local SGD; default: %(default)s)")
-    parser.add_argument("--out", default=RESULTS, help="folder for accuracy.json and .png")
+    parser.add_argument("--out", default=OUT, help="folder for accuracy.json and .png")
     opts = parse_args(parser, table)
     name = "accuracy_cpu" if opts.cpu else "accuracy"
     results = []
@@ -177,7 +177,7 @@ def main():
         for result in (cpu_systems if opts.cpu else gpu_systems)(opts, tmp):
             results.append(result)
             write(complete=False)
-    print(table(load(write(complete=True))))
+    show(write(complete=True), table)
     plot(results, opts.target, os.path.join(opts.out, f"{name}.png"))
 
 

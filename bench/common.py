@@ -17,7 +17,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "results")
+RESULTS = os.path.join(ROOT, "bench", "results")  # the committed ones, which the READMEs cite
+OUT = os.path.join(ROOT, "out")  # a user's, by default: git ignores it
 SCRIPT = os.path.basename(sys.argv[0])  # the benchmark that runs, for its messages: accuracy.py
 
 
@@ -239,6 +240,18 @@ def tables_from(path, table):
     write_block(block_name(document, SCRIPT), text)
 
 
+def show(path, table):
+    """Print the table of the results file at ``path``.  Where the file is
+    one of the committed results (``--out bench/results``: a maintainer's
+    refresh), the README tables made from it are rewritten too, so that the
+    two never disagree."""
+    document = load(path)
+    text = table(document)
+    print(text)
+    if os.path.abspath(path).startswith(RESULTS + os.sep):
+        write_block(block_name(document, SCRIPT), text)
+
+
 def block_name(document, script):
     """The README block a results file's tables go into: the one it names,
     else its script's (``NAME.py``, or ``NAME.py --cpu`` for a CPU run's)."""
@@ -263,6 +276,11 @@ def parse_args(parser, table):
     parser.prog = f"python {' '.join(invocation())}"
     parser.add_argument("--tables-from", metavar="JSON",
                         help=f"only regenerate the README tables from this {results}")
+    out = next((a for a in parser._actions if a.dest == "out"), None)
+    if out and out.default == OUT:
+        out.help = (out.help or "the folder for the results") + \
+            " (default: out/, which git ignores; bench/results holds the committed results, " \
+            "and writing there rewrites the README tables made from them too)"
     args = parser.parse_args()
     keep_temporaries_here()
     if args.tables_from:

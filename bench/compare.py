@@ -34,9 +34,9 @@ steps.  A run that fails, or GPUs that another process is using, stop the
 benchmark with an error: no figures from a failed or a shared run.
 
 Writes ``compare.json`` (command, date, machine, versions, every figure) and
-``compare.png`` into ``--out``, and, with ``--tables``, regenerates the
-tables of README.md and bench/README.md from that JSON (``--tables-from
-JSON`` does only that, from a results file).
+``compare.png`` into ``--out`` (with ``--out bench/results``, the committed
+results, the tables of README.md and bench/README.md are regenerated from
+that JSON too; ``--tables-from JSON`` does only that, from a results file).
 """
 import json
 import math
@@ -50,8 +50,8 @@ import time
 
 import numpy as np
 
-from bench.common import (RESULTS, ROOT, SCRIPT, duration, load, measured_by, parse_args, pyplot,
-                          rate, rate_unit, record, refuse_busy_gpus, tables_from)
+from bench.common import (OUT, ROOT, SCRIPT, duration, load, measured_by, parse_args, pyplot,
+                          rate, rate_unit, record, refuse_busy_gpus, show)
 
 from multi_gpu import datasets
 from dual_mlp import STEPS_PER_CALL
@@ -432,9 +432,7 @@ def main():
     parser.add_argument("--epoch-steps", type=int, default=100,
                         help="steps per epoch, at least: the training set is tiled to give "
                              f"them, at most {MAX_REPEAT} times over (default: %(default)s)")
-    parser.add_argument("--out", default=RESULTS, help="folder for compare.json and .png")
-    parser.add_argument("--tables", action="store_true",
-                        help="then regenerate the README tables from the JSON written")
+    parser.add_argument("--out", default=OUT, help="folder for compare.json and .png")
     args = parse_args(parser, table)
     if args.cpu:
         os.sched_setaffinity(0, os.sched_getaffinity(0))  # every run on these cores, said below
@@ -461,9 +459,7 @@ def main():
     figures.meta["wall_s"] = time.perf_counter() - started  # the whole benchmark
     path = figures.write(complete=True)
     plot(figures, os.path.join(args.out, f"{name}.png"))
-    print(table(load(path)))
-    if args.tables:
-        tables_from(path, table)
+    show(path, table)
 
 
 def device_name(cpu):

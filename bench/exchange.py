@@ -1,6 +1,6 @@
 """The exchange's copy alone: GPU to GPU, by buffer size, against the link's limit.
 
-    python -m bench.exchange [--gpus 0 1] [--out bench/results]
+    python -m bench.exchange [--gpus 0 1] [--out FOLDER]
     python -m bench.exchange --allreduce [GPU ...]        # the N-way exchange beside NCCL
 
 The copy each step of ``--sync host`` makes, alone.  Two processes,
@@ -45,8 +45,8 @@ import tempfile
 
 import numpy as np
 
-from bench.common import (RESULTS, ROOT, load, measured_by, parse_args, pyplot, record,
-                          refuse_busy_gpus)
+from bench.common import (OUT, ROOT, load, measured_by, parse_args, pyplot, record,
+                          refuse_busy_gpus, show)
 from multi_gpu.cli import Parser
 
 
@@ -478,7 +478,7 @@ def main():
                         help="the link's one-way limit where nvidia-smi reports none "
                              "(default 450: H200 NVLink, 18 links x 25 GB/s)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per process")
-    parser.add_argument("--out", default=RESULTS, help="folder for exchange.json and .png")
+    parser.add_argument("--out", default=OUT, help="folder for exchange.json and .png")
     parser.add_argument("--allreduce", nargs="*", metavar="GPU",
                         help="instead: the N-way exchange of --sync gpu beside NCCL's "
                              "all-reduce, one worker per GPU listed (default: every GPU; a GPU "
@@ -517,7 +517,7 @@ def allreduce_main(args):
     path = record("exchange_allreduce", args.out, block="exchange.py --allreduce", gpus=gpus,
                   workers=len(gpus), timed=not shared, link_limit_gbps=limit,
                   link_limit_source=source, mlp_bytes=MLP_BYTES, rows=rows)
-    print(allreduce_table(load(path)))
+    show(path, allreduce_table)
 
 
 def gpu_count():

@@ -1,6 +1,6 @@
 """The Quick start's first run, cold and warm, and its step speed, per CPU backend.
 
-    python -m bench.first_run                                    # bench/results/first_run_cpu.json
+    python -m bench.first_run                                    # out/first_run_cpu.json
     python -m bench.first_run --out bench/results/first_run_cpu  # a result to commit
 
 A newcomer's first ``python dual_mlp.py`` is mostly a compile.  For each of
@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from bench.common import RESULTS, ROOT, load, measured_by, parse_args, record
+from bench.common import OUT, ROOT, load, measured_by, parse_args, record, show
 from multi_gpu.cli import Parser
 
 BACKENDS = {"JAX (the default)": {},
@@ -126,15 +126,14 @@ def main():
                    help="timed runs per backend, taking turns (default: %(default)s)")
     p.add_argument("--speed-epochs", type=int, default=30,
                    help="epochs of each timed run (default: %(default)s)")
-    p.add_argument("--out", default=RESULTS, help="folder for first_run_cpu.json "
-                   "(default: bench/results, where git ignores it)")
+    p.add_argument("--out", default=OUT, help="folder for first_run_cpu.json")
     args = parse_args(p, table)
     with tempfile.TemporaryDirectory(prefix="first-run-") as tmp:
         figures = measure(args, tmp)
     path = record("first_run_cpu", args.out, cpu=True, block="first_run.py", cores=os.cpu_count(),
                   cold_runs=args.cold_runs, warm_runs=args.warm_runs, speed_runs=args.speed_runs,
                   speed_epochs=args.speed_epochs, figures=figures)
-    print(table(load(path)))
+    show(path, table)
 
 
 if __name__ == "__main__":

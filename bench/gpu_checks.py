@@ -1,6 +1,6 @@
 """Run the GPU tests (pytest -m gpu) on this machine and record the outcome.
 
-    python -m bench.gpu_checks [--out bench/results]
+    python -m bench.gpu_checks [--out FOLDER]
 
 Writes gpu_checks.json (date, machine, command, pass/fail counts, each test's
 outcome and seconds) and gpu_checks.log (pytest's own output)."""
@@ -10,13 +10,13 @@ import signal
 import subprocess
 import sys
 
-from bench.common import RESULTS, ROOT, record, require_gpus
+from bench.common import OUT, ROOT, record, require_gpus
 from multi_gpu.cli import Parser
 
 
 def main():
     parser = Parser(about=__doc__)
-    parser.add_argument("--out", default=RESULTS, help="folder for the results")
+    parser.add_argument("--out", default=OUT, help="folder for the results")
     parser.add_argument("-k", metavar="EXPRESSION",
                         help="only the tests pytest's -k selects (a device call has ten minutes)")
     args = parser.parse_args()

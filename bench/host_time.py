@@ -24,7 +24,7 @@ import time
 
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")  # one GPU, as a worker sees it
 
-from bench.common import RESULTS, record, require_gpus
+from bench.common import OUT, record, require_gpus
 
 from multi_gpu import flags  # noqa: F401  (first: float32, as the scripts run)
 import jax
@@ -57,7 +57,7 @@ def main():
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--batch-size", type=int, default=5000)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--out", default=OUT)
     args = parser.parse_args()
     require_gpus()
     device = JaxDevice()

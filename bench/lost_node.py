@@ -8,7 +8,7 @@ a checkpoint; once node 0 has trained its first epoch, a fault strikes node
 1 (``hosts.FAULTS``): its cable cut, the machine killed or stopped, one of
 its workers killed or stopped.  For each fault in turn, a run of its own:
 the seconds from the fault to node 0's end, its exit code and its last
-line.  Writes ``lost_node.json`` into ``--out`` (default: ``bench/results``).
+line.  Writes ``lost_node.json`` into ``--out`` (default: ``out/``).
 """
 import glob
 import os
@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from bench.common import RESULTS, load, measured_by, parse_args, record
+from bench.common import OUT, load, measured_by, parse_args, record, show
 from bench.hosts import FAULTS, hosts_on_a_bridge, two_nodes, why_no_test_hosts
 from multi_gpu.cli import Parser
 
@@ -108,7 +108,7 @@ def table(document):
 
 def main():
     parser = Parser(about=__doc__)
-    parser.add_argument("--out", default=RESULTS, help="folder for the JSON")
+    parser.add_argument("--out", default=OUT, help="folder for the JSON")
     parser.set_defaults(cpu=True)
     args = parse_args(parser, table)
     why = why_no_test_hosts()
@@ -121,8 +121,7 @@ def main():
             print(f"  {fault}: node 0 ended after {figures[-1]['stopped_after_s']:.1f} s: "
                   f"{figures[-1]['last_line']}", flush=True)
             os.remove(os.path.join(folder, "ck.npz"))
-    print(table(load(record("lost_node", args.out, cpu=True, block="lost_node.py",
-                            figures=figures))))
+    show(record("lost_node", args.out, cpu=True, block="lost_node.py", figures=figures), table)
 
 
 if __name__ == "__main__":

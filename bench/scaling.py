@@ -20,7 +20,8 @@ import os
 import subprocess
 import tempfile
 
-from bench.common import RESULTS, load, measured_by, parse_args, pyplot, rate, rate_unit, record
+from bench.common import (OUT, load, measured_by, parse_args, pyplot, rate, rate_unit, record,
+                          show)
 from bench.compare import Tiles, demo, reference
 
 from multi_gpu import datasets
@@ -131,7 +132,7 @@ def main():
                              "them, as in compare.py (default: %(default)s)")
     parser.add_argument("--workers", type=cli.positive_int, nargs="+", default=[1, 2, 3, 4],
                         help="--cpu: the worker counts (default: %(default)s)")
-    parser.add_argument("--out", default=RESULTS, help="folder for scaling.json and .png")
+    parser.add_argument("--out", default=OUT, help="folder for scaling.json and .png")
     args = parse_args(parser, table)
     if args.cpu:
         args.batches, args.epoch_steps, args.steps = [100], 1, 12
@@ -147,7 +148,7 @@ def main():
                   dataset=args.dataset, epoch_steps=args.epoch_steps, min_steps=args.steps,
                   max_replica_diff=checks, figures=efficiency(figures))
     plot(figures, os.path.join(args.out, f"{name}.png"))
-    print(table(load(path)))
+    show(path, table)
 
 
 if __name__ == "__main__":

@@ -43,8 +43,8 @@ import time
 
 import numpy as np
 
-from bench.common import (RESULTS, keep_to_one_device, load, measured_by, one_device, parse_args,
-                          record)
+from bench.common import (OUT, keep_to_one_device, load, measured_by, one_device, parse_args,
+                          record, show)
 from multi_gpu.cli import Parser
 
 
@@ -177,7 +177,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5,
                         help="rounds, the systems taking turns; each figure is the median")
     parser.add_argument("--cpu", action="store_true", help="on the CPU, a small subset (CI)")
-    parser.add_argument("--out", default=RESULTS, help="folder for step_cost.json")
+    parser.add_argument("--out", default=OUT, help="folder for step_cost.json")
     args = parse_args(parser, table)
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
@@ -237,7 +237,7 @@ def main():
                   within_target=all(f["over_plain"] <= TARGET for f in figures
                                     if f["system"] == ORDERED),
                   figures=figures)
-    print(table(load(path)))
+    show(path, table)
     return path
 
 

@@ -20,7 +20,7 @@ import glob
 import os
 import tempfile
 
-from bench.common import RESULTS, one_device, record, require_gpus
+from bench.common import OUT, one_device, record, require_gpus
 
 from multi_gpu import datasets
 from multi_gpu.cli import Parser
@@ -61,7 +61,7 @@ def main():
                         help="steps in one compiled program, as dual_mlp.py --steps-per-call "
                              "(default 1)")
     parser.add_argument("--cpu", action="store_true", help="on the CPU, batch 500 (CI)")
-    parser.add_argument("--out", default=RESULTS, help="folder for step_profile.json")
+    parser.add_argument("--out", default=OUT, help="folder for step_profile.json")
     args = parser.parse_args()
     if not args.cpu:
         require_gpus()

@@ -14,7 +14,7 @@ import statistics
 import sys
 import tempfile
 
-from bench.common import RESULTS, load, measured_by, parse_args, record
+from bench.common import OUT, load, measured_by, parse_args, record, show
 from bench.compare import summary_of
 from multi_gpu import cli
 from multi_gpu.cli import Parser
@@ -47,7 +47,7 @@ def main():
     parser.add_argument("--batch", type=cli.positive_int, default=100)
     parser.add_argument("--epochs", type=cli.positive_int, default=6)
     parser.add_argument("--rounds", type=cli.positive_int, default=3)
-    parser.add_argument("--out", default=RESULTS, help="folder for the JSON")
+    parser.add_argument("--out", default=OUT, help="folder for the JSON")
     parser.set_defaults(cpu=True)  # asks for no GPU check: the devices say where it runs
     args = parse_args(parser, table)
     gpus = args.devices[0] != "cpu"
@@ -74,7 +74,7 @@ def main():
                   block="trace_cost.py" if gpus else "trace_cost.py --cpu",
                   devices=args.devices, batch=args.batch,
                   epochs=args.epochs, rounds=args.rounds, figures=figures)
-    print(table(load(path)))
+    show(path, table)
 
 
 if __name__ == "__main__":

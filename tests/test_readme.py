@@ -3,6 +3,7 @@ command in them runs as typed from the repository's root, every results file
 they name is in git, and every table is what its results file generates."""
 import concurrent.futures
 import importlib
+import os
 import re
 import shlex
 import subprocess
@@ -61,6 +62,53 @@ def commands():
                         found.append((readme.name, words))
         found += [(readme.name, shlex.split(c)) for c in re.findall(r"Measured by `([^`]+)`", text)]
     return found
+
+
+def writes(words):
+    """The paths a README command writes into, from the repository's root: its
+    outputs' options, and a benchmark's default ``--out``."""
+    from bench import common
+    paths = [words[i + 1] + ("/results.json" if w == "--out" else "")
+             for i, w in enumerate(words[:-1]) if w in ("--out", "--trace", "--save", "--json")]
+    if words[1:2] == ["-m"] and words[2].startswith("bench.") and "--out" not in words:
+        paths.append(os.path.relpath(common.OUT, ROOT) + "/results.json")
+    return paths
+
+
+def test_a_readme_command_writes_only_where_git_ignores_unless_it_refreshes_the_results():
+    """What the READMEs show a user writes only where git ignores (a
+    benchmark's default out/, a run's outputs at the top of the clone): the
+    clone stays as it was, and the tables in the READMEs stay what their
+    results files generate.  A "Measured by" command is a maintainer's
+    refresh: it writes into bench/results, and rewrites the tables made from
+    it (``bench.common.show``).  The trace command, run as typed (two epochs,
+    not three: its window is the second), leaves ``git status`` as it was."""
+    def ignored(path):
+        return subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT,
+                              ).returncode == 0
+    refreshes = {shlex.join(shlex.split(c)) for readme in READMES
+                 for c in re.findall(r"Measured by `([^`]+)`", readme.read_text())}
+    for readme, words in commands():
+        for path in writes(words):
+            if shlex.join(words) in refreshes:
+                assert path.startswith("bench/results"), (readme, words)
+            else:
+                assert ignored(path), (readme, words, path)
+    text = (ROOT / "README.md").read_text()
+    traced = shlex.split(re.search(r"`(python dual_mlp\.py cpu cpu --epochs 3 --trace[^`]+)`",
+                                   text.replace("\n", " ")).group(1))
+    assert ignored(traced[-1])
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                            text=True).stdout
+    try:
+        out = dual(*traced[2:5], 2, *traced[6:], cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        assert (ROOT / traced[-1]).exists()
+        assert subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                              text=True).stdout == status
+    finally:
+        for made in (traced[-1], traced[-1].replace(".json", ".png")):
+            (ROOT / made).unlink(missing_ok=True)
 
 
 def program(words):
