@@ -110,7 +110,7 @@ def summarise(args, progress, trainer, n_steps, world, wall, device, say):
     records.write_json_or_show(args.json, summary, "worker 0")
 
 
-def timeline(args, tracer, rundir, route, device_name, say):
+def timeline(args, tracer, rundir, trainer, say):
     """--trace: this worker's spans into the run folder; the first worker of
     each machine merges its machine's into the trace and draws its picture."""
     tracer.write(rundir)
@@ -120,11 +120,13 @@ def timeline(args, tracer, rundir, route, device_name, say):
     from multi_gpu import trace
     first = args.node_rank * n_local
     traces = trace.gather(rundir, range(first, first + n_local), args.timeout)
-    title = (f"python dual_mlp.py {' '.join(args.devices)}: {route}, batch {args.batch_size} "
-             "per worker")
+    title = (f"python dual_mlp.py {' '.join(args.devices)}: {trainer.route}, batch "
+             f"{args.batch_size} per worker")
     document = trace.chrome_trace(traces, {first + i: d for i, d in enumerate(args.devices)},
                                   dict(title=title, command=args.command, window=dict(
-                                      epoch=args.trace_from, steps=args.trace_steps),
+                                      epoch=args.trace_from, steps=args.trace_steps,
+                                      first_step=tracer.first,
+                                      steps_per_epoch=trainer.n_steps),
                                        clock="CLOCK_MONOTONIC, ns, one clock for the machine"))
     records.write_json_or_show(args.trace, document, f"worker {tracer.rank}")
     picture = trace.plot(document, os.path.splitext(args.trace)[0] + ".png")

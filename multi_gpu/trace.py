@@ -185,7 +185,8 @@ def chrome_trace(traces, devices, about):
 # one colour per phase, the same in every picture
 COLOURS = {"train": "#4c72b0", "publish": "#dd8452", "signal": "#55a868", "copy": "#c44e52",
            "average": "#8172b3", "copy + average": "#a3508f", "waiting": "#bbbbbb",
-           "queue": "#937860", "waiting for the device": "#e5e5e5", "steps": "#4c72b0"}
+           "queue": "#937860", "waiting for the device": "#e5e5e5", "steps": "#4c72b0",
+           "validate": "#2f2f2f"}
 
 
 def colour(name):
@@ -248,14 +249,16 @@ def draw(plt, document, path, steps, first):
             bar = ax.broken_barh([(start - lo, max(end - start, 0.5))], (y - 0.35, 0.7),
                                  color=colour(e["name"]), edgecolor="white", linewidth=0.3)
             key = "waiting for a later worker" if e["name"].startswith("waiting for worker") \
-                else e["name"]
+                else "validate (worker 0)" if e["name"] == "validate" else e["name"]
             seen.setdefault(key, bar)
     ax.set_yticks(range(len(lanes)))
-    ax.set_yticklabels([f"{names[pid]}, {(HOST, DEVICE)[tid]}" for pid, tid in reversed(lanes)])
+    both = {pid for pid, tid in lanes if tid == 1}  # a worker with a device's track too
+    ax.set_yticklabels([names[pid] + (f", {(HOST, DEVICE)[tid]}'s track" if pid in both else "")
+                        for pid, tid in reversed(lanes)])
     ax.set_xlabel("microseconds")
-    ax.set_title(f"{document['otherData']['title']}: steps {first}-{first + steps - 1}"
+    ax.set_title(f"{document['otherData']['title']}:\n{which_steps(document, first, steps)}"
                  + (" on the devices" if on_device else ""))
-    ax.legend(seen.values(), seen.keys(), loc="upper center", bbox_to_anchor=(0.5, -0.25),
+    ax.legend(seen.values(), seen.keys(), loc="upper center", bbox_to_anchor=(0.5, -0.32),
               ncol=min(5, len(seen)), fontsize=8, frameon=False)
     fig.tight_layout()
     with files.atomic_write(path) as f:
@@ -263,6 +266,18 @@ def draw(plt, document, path, steps, first):
         fault_point("trace", "write")  # the tests' hook: a picture not yet in place
     plt.close(fig)
     return path
+
+
+def which_steps(document, first, steps):
+    """The picture's steps in words: the epoch and the steps in it where the
+    trace says where its window starts (``window``), else the run's step
+    numbers (counted from 0)."""
+    window = document["otherData"].get("window", {})
+    if not {"epoch", "first_step", "steps_per_epoch"} <= set(window):
+        return f"steps {first}-{first + steps - 1}"
+    per, skip = window["steps_per_epoch"], first - window["first_step"]
+    return (f"{steps} steps from epoch {window['epoch'] + skip // per}'s step {skip % per + 1} "
+            f"(of {per} an epoch)")
 
 
 # the most a trace that ``python -m multi_gpu.trace`` redraws may hold: about 50,000
@@ -323,6 +338,9 @@ def check(document):
     about = document.get("otherData")
     need(isinstance(about, dict) and isinstance(about.get("title"), str)
          and len(about["title"]) <= 200, "no otherData title")
+    window = about.get("window", {})
+    need(isinstance(window, dict) and all(count(v) for v in window.values())
+         and window.get("steps_per_epoch", 1) > 0, "a window that is not a trace's")
     named, kinds, phases = set(), set(), 0
     for e in document["traceEvents"]:
         need(isinstance(e, dict) and e.get("ph") in ("M", "X") and count(e.get("pid"), 1 << 16)

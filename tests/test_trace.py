@@ -57,12 +57,20 @@ def test_every_worker_has_every_phase_of_every_traced_step_in_order(traced):
         assert {e["args"]["step"] for e in events} == set(range(first, first + 8)), worker
         for step in range(first, first + 8):
             phases = [e["name"] for e in events if e["args"]["step"] == step
-                      and not e["name"].startswith("waiting for worker")]
+                      and not e["name"].startswith("waiting for worker")
+                      and e["name"] != "validate"]
             assert phases == HOST_PHASES, (worker, step, phases)
         for a, b in zip(events, events[1:]):  # one track: no span overlaps the next
             assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, (worker, a, b)
         moved = [e["args"]["bytes"] for e in events if e["name"] in ("publish", "copy")]
         assert moved and all(n == moved[0] > 1_000_000 for n in moved)
+    # worker 0 validated the first epoch before the window's first step, where the others
+    # wait for it: drawn there, and the window says where it starts
+    validated = [(w, e["args"]["step"]) for w, es in spans(document).items() for e in es
+                 if e["name"] == "validate"]
+    assert validated == [(0, first)], validated
+    assert document["otherData"]["window"] == dict(epoch=2, steps=8, first_step=first,
+                                                   steps_per_epoch=steps_per_epoch)
 
 
 def test_no_worker_leaves_a_barrier_before_the_last_one_arrived(traced):
