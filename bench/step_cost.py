@@ -43,8 +43,8 @@ import time
 
 import numpy as np
 
-from bench.common import (OUT, keep_to_one_device, load, measured_by, one_device, parse_args,
-                          record, show)
+from bench.common import (DEBIAN_FASHION, OUT, keep_to_one_device, load, measured_by,
+                          one_device, parse_args, record, show)
 from multi_gpu.cli import Parser
 
 
@@ -183,6 +183,12 @@ def main():
         parser.error("--rounds and --steps must be at least 1")
     if args.cpu:
         args.batches, args.steps = [100], min(args.steps, 40)
+    n_train = len(datasets.read(args.dataset)[0][1])
+    too_big = [b for b in args.batches if 2 * b > n_train]
+    if too_big:  # a step of the ordered trainers takes two minibatches: its worker's, its peer's
+        parser.error(f"--batches {too_big[0]}: {args.dataset} holds {n_train:,} training images, "
+                     "fewer than two minibatches: smaller --batches, or more data (--dataset "
+                     f"{DEBIAN_FASHION})")
     keep_to_one_device(args.cpu)
     xla = world_of_one(args.cpu)
     device = one_device(args.cpu)

@@ -131,6 +131,16 @@ def test_gpu_index_out_of_range_is_refused():
                                   f"machine has {N_GPUS} (0..{N_GPUS - 1})")
 
 
+def test_a_benchmark_batch_larger_than_the_data_is_refused(tmp_path):
+    """``bench.step_cost`` on the shipped digits (3,000 training images) at its
+    default batches (5000 among them): one line, exit 2, nothing written (a
+    JAX IndexError traceback before)."""
+    out = script("bench.step_cost", "--out", tmp_path, timeout=300)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "--batches 5000: " in out.stderr and "holds 3,000 training images" in out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("name", ["mlp.py", "logistic_sgd.py"])
 def test_the_tutorial_scripts_run_on_the_gpu_theano_flags_names(name):
     """THEANO_FLAGS=device=cuda0: on GPU 0 through PyTensor's JAX backend, and
