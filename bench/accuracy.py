@@ -28,7 +28,7 @@ import os
 import sys
 import tempfile
 
-from bench.common import OUT, load, measured_by, parse_args, pyplot, record, show
+from bench.common import OUT, measured_by, parse_args, pyplot, record, show
 from bench.compare import K, ONE_GPU, STEPS_PER_CALL, run, summary_of
 
 from multi_gpu import datasets

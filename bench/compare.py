@@ -50,7 +50,7 @@ import time
 
 import numpy as np
 
-from bench.common import (OUT, ROOT, SCRIPT, duration, load, measured_by, parse_args, pyplot,
+from bench.common import (OUT, ROOT, SCRIPT, duration, measured_by, parse_args, pyplot,
                           rate, rate_unit, record, refuse_busy_gpus, show)
 
 from multi_gpu import datasets

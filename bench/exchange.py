@@ -45,7 +45,7 @@ import tempfile
 
 import numpy as np
 
-from bench.common import (OUT, ROOT, load, measured_by, parse_args, pyplot, record,
+from bench.common import (OUT, ROOT, measured_by, parse_args, pyplot, record,
                           refuse_busy_gpus, show)
 from multi_gpu.cli import Parser
 

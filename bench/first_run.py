@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from bench.common import OUT, ROOT, load, measured_by, parse_args, record, show
+from bench.common import OUT, ROOT, measured_by, parse_args, record, show
 from multi_gpu.cli import Parser
 
 BACKENDS = {"JAX (the default)": {},

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from bench.common import OUT, load, measured_by, parse_args, record, show
+from bench.common import OUT, measured_by, parse_args, record, show
 from bench.hosts import FAULTS, hosts_on_a_bridge, two_nodes, why_no_test_hosts
 from multi_gpu.cli import Parser
 

@@ -20,7 +20,7 @@ import os
 import subprocess
 import tempfile
 
-from bench.common import (OUT, load, measured_by, parse_args, pyplot, rate, rate_unit, record,
+from bench.common import (OUT, measured_by, parse_args, pyplot, rate, rate_unit, record,
                           show)
 from bench.compare import Tiles, demo, reference
 

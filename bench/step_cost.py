@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from bench.common import (DEBIAN_FASHION, OUT, keep_to_one_device, load, measured_by,
+from bench.common import (DEBIAN_FASHION, OUT, keep_to_one_device, measured_by,
                           one_device, parse_args, record, show)
 from multi_gpu.cli import Parser
 

@@ -14,7 +14,7 @@ import statistics
 import sys
 import tempfile
 
-from bench.common import OUT, load, measured_by, parse_args, record, show
+from bench.common import OUT, measured_by, parse_args, record, show
 from bench.compare import summary_of
 from multi_gpu import cli
 from multi_gpu.cli import Parser
