@@ -337,14 +337,18 @@ class HostOrdered(Trainer):
 
     def epoch(self, n_steps):
         for step in range(n_steps):
+            # start-snippet: the step (README.md quotes it)
             new = self.train(minibatch(step, self.rank, self.world, self.n_steps))  # 1. my own
             if not averages_after(step, n_steps, self.average_every):
                 continue        # local SGD (--average-every H): H steps of my own, then 2.-6.
-            self.publish(new)   # 2. copy my new weights into my send buffer (memcpy_dtod_async)
+            self.publish(new)   # 2. my new weights into my send buffer (GPU: memcpy_dtod_async)
             self.signal()       # 3. zmq: "published" to every other worker; wait for theirs
-            self.copy()         # 4. every send buffer, peer to peer (CPUs: my share of the mean)
+            self.copy()         # 4. GPU: every send buffer into my receive buffer, peer to peer;
+            #                     CPU: my share of the mean, summed from every mapped send buffer
             self.signal()       # 5. zmq: "copied": the others may overwrite their send buffers
-            self.average()      # 6. my weights = the mean of everyone's, in rank order
+            self.average()      # 6. my weights = the mean of everyone's, summed in rank order
+            #                     (CPU: the mean as the copies left it, read where it lies)
+            # end-snippet: the step
             self.averages += 1
             self.check_replicas()
 

@@ -8,6 +8,7 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -37,6 +38,18 @@ def test_the_readme_shows_what_the_quick_start_prints(tmp_path):
     assert all(shape(line) in printed for line in example), (example, printed)
     assert printed[:7] == [shape(line) for line in example[:7]]
     assert printed[-3:] == [shape(line) for line in example[-3:]]
+
+
+def test_the_readmes_step_is_a_quote_of_the_code():
+    """README.md shows the step as ``dual_mlp.py`` has it, between its
+    ``start-snippet`` and ``end-snippet`` lines, line for line: one copy of
+    the lesson, as the tutorial's pages quote its code, never retyped."""
+    code = (ROOT / "dual_mlp.py").read_text()
+    snippet = re.search(r"# start-snippet: the step[^\n]*\n(.*?)\n\s*# end-snippet: the step",
+                        code, re.S)
+    assert snippet, "dual_mlp.py lost its step's snippet markers"
+    quote = f"```python\n{textwrap.dedent(snippet.group(1))}\n```"
+    assert quote in (ROOT / "README.md").read_text(), quote
 
 
 def test_the_readme_is_a_page():
