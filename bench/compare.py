@@ -414,11 +414,11 @@ def cpu_lines(document, by):
     for batch in sorted({b for _, b in by}):
         f = by.get(("demo cpu cpu", batch))
         if f and "exchange_us" in f and floor:
-            lines.append(f"\ndemo cpu cpu @ {batch}: publish, signals, copy and average "
+            lines.append(f"\ndemo cpu cpu @ {batch}: exchange (publish, signals, copy, average) "
                          f"{f['exchange_us']:.0f} us a step, {f['exchange_us'] / floor['us']:.2f}x "
                          f"the floor and {f['exchange_us'] / f['train_us']:.2f}x its train phase "
-                         f"({f['train_us']:.0f} us; {f['waiting_us']:.0f} us more waiting for the "
-                         "later peer)")
+                         f"({f['train_us']:.0f} us; {f['waiting_us']:.0f} us more waiting for a "
+                         "later worker)")
     return lines
 
 

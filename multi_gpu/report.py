@@ -79,8 +79,8 @@ def summarise(args, progress, trainer, n_steps, world, wall, device, say):
     say(f"Trained at {samples_per_s:,.0f} samples/s ({world} workers), {step_us['step']:.0f} us "
         "per step" + ("" if "train" not in step_us else
                       ": train {train:.0f} us, exchange {exchange:.0f} us (publish {publish:.0f} "
-                      "+ signals {signal:.0f} + waiting for a later worker {waiting:.0f} + copy "
-                      "{copy:.0f}), average {average:.0f} us".format(**step_us)))
+                      "+ signals {signal:.0f} + copy {copy:.0f} + average {average:.0f}), waiting "
+                      "for a later worker {waiting:.0f} us".format(**step_us)))
     averaged = trainer.report()
     if averaged["average_every"] > 1:  # local SGD
         spent = (f"the exchange {averaged['exchange_s']:.2f} s in all" if "exchange_s" in averaged

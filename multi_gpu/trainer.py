@@ -145,7 +145,7 @@ class StepClock:
 
     def timed(self, name, phase, waits=False, **about):
         """``phase``, its every call timed under ``name``; with ``waits``, it
-        returns (the seconds of its time spent waiting for a later peer, that
+        returns (the seconds of its time spent waiting for a later worker, that
         peer's rank).  ``about`` goes into the phase's trace spans (bytes moved)."""
         def timed_phase(*args):
             start = time.perf_counter_ns()
@@ -163,8 +163,10 @@ class StepClock:
         return timed_phase
 
     def exchange_s(self):
-        """Seconds in all of the phases that move weights."""
-        return sum(self.totals[k] for k in ("publish", "signal", "waiting", "copy"))
+        """Seconds in all of the exchange's phases, 2-6 (publish, the signals,
+        copy, average): its work, waiting for a later worker told apart, as
+        ``bench.compare`` counts it too."""
+        return sum(self.totals[k] for k in ("publish", "signal", "copy", "average"))
 
     def step_us(self, steps):
         """Microseconds a step by phase, and ``exchange``: ``exchange_s``'s share."""
