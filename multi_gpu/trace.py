@@ -241,31 +241,56 @@ def draw(plt, document, path, steps, first):
     lanes = sorted(shown)
     if len(lanes) > MOST_LANES:
         raise TooMany(f"{len(lanes)} workers' tracks, more than a picture shows ({MOST_LANES})")
-    fig, ax = plt.subplots(figsize=(12, 0.7 * len(lanes) + 1.6))
+    # the last step's exchange again, zoomed: its phases are slivers beside the training
+    # (not where waiting fills it: GPUs taking turns on one)
+    last = [e for e in keys if e["args"]["step"] == first + steps - 1]
+    exchanged = [e for e in last if e["name"] not in ("train", "validate")]
+    zoom = exchanged and (min(e["ts"] for e in exchanged),
+                          max(e["ts"] + e["dur"] for e in last))
+    work = sum(e["dur"] for e in exchanged if not e["name"].startswith("waiting"))
+    if zoom and (zoom[1] - zoom[0]) * len({(e["pid"], e["tid"]) for e in exchanged}) > 10 * work:
+        zoom = None
+    fig, axes = plt.subplots(2 if zoom else 1, squeeze=False,
+                             figsize=(12, (0.7 * len(lanes) + 1.6) * (1.8 if zoom else 1)))
     seen = {}
-    for y, lane in enumerate(reversed(lanes)):
-        for e in shown[lane]:
-            start, end = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
-            bar = ax.broken_barh([(start - lo, max(end - start, 0.5))], (y - 0.35, 0.7),
-                                 color=colour(e["name"]), edgecolor="white", linewidth=0.3)
-            key = "waiting for a later worker" if e["name"].startswith("waiting for worker") \
-                else "validate (worker 0)" if e["name"] == "validate" else e["name"]
-            seen.setdefault(key, bar)
-    ax.set_yticks(range(len(lanes)))
-    both = {pid for pid, tid in lanes if tid == 1}  # a worker with a device's track too
-    ax.set_yticklabels([names[pid] + (f", {(HOST, DEVICE)[tid]}'s track" if pid in both else "")
-                        for pid, tid in reversed(lanes)])
-    ax.set_xlabel("microseconds")
+    for ax, (start, end) in zip(axes[:, 0], [(lo, hi)] + ([zoom] if zoom else [])):
+        lanes_in(ax, shown, lanes, start, end, seen)
+        both = {pid for pid, tid in lanes if tid == 1}  # a worker with a device's track too
+        ax.set_yticklabels([names[pid] + (f", {(HOST, DEVICE)[tid]}'s track" if pid in both
+                                          else "") for pid, tid in reversed(lanes)])
+        ax.set_xlabel("microseconds")
+    ax = axes[0, 0]
     ax.set_title(f"{document['otherData']['title']}:\n{which_steps(document, first, steps)}"
                  + (" on the devices" if on_device else ""))
-    ax.legend(seen.values(), seen.keys(), loc="upper center", bbox_to_anchor=(0.5, -0.32),
-              ncol=min(5, len(seen)), fontsize=8, frameon=False)
+    if zoom:
+        axes[1, 0].set_title(f"the last step's exchange, zoomed: {zoom[1] - zoom[0]:.0f} us",
+                             fontsize=9)
+    axes[-1, 0].legend(seen.values(), seen.keys(), loc="upper center",
+                       bbox_to_anchor=(0.5, -0.32), ncol=min(5, len(seen)), fontsize=8,
+                       frameon=False)
     fig.tight_layout()
     with files.atomic_write(path) as f:
         fig.savefig(f, format="png", dpi=110)
         fault_point("trace", "write")  # the tests' hook: a picture not yet in place
     plt.close(fig)
     return path
+
+
+def lanes_in(ax, shown, lanes, lo, hi, seen):
+    """Each lane's phases from ``lo`` to ``hi`` (us) as bars on ``ax``, each
+    phase's first bar kept in ``seen`` for the legend."""
+    for y, lane in enumerate(reversed(lanes)):
+        for e in shown[lane]:
+            start, end = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
+            if end <= start:
+                continue
+            bar = ax.broken_barh([(start - lo, max(end - start, (hi - lo) / 2000))],
+                                 (y - 0.35, 0.7), color=colour(e["name"]), edgecolor="white",
+                                 linewidth=0.3)
+            key = "waiting for a later worker" if e["name"].startswith("waiting for worker") \
+                else "validate (worker 0)" if e["name"] == "validate" else e["name"]
+            seen.setdefault(key, bar)
+    ax.set_yticks(range(len(lanes)))
 
 
 def which_steps(document, first, steps):
