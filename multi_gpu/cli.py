@@ -276,7 +276,10 @@ def compiled(seconds, before):
         return (f"loaded from XLA's cache ({tilde(devices.jax_cache_folder())}) in "
                 f"{seconds:.1f} s, nothing compiled ({counted(hits, 'program')} read in "
                 f"{devices.CACHE['loading_s'] - before.get('loading_s', 0):.1f} s)")
-    cached = f" ({hits} of {counted(hits + misses, 'program')} from XLA's cache)" if hits else ""
+    cached = "" if not hits else \
+        f" ({misses} compiled, {hits} read from XLA's cache as this run filled it)" \
+        if devices.CACHE["empty_at_start"] else \
+        f" ({hits} of {counted(hits + misses, 'program')} from XLA's cache)"
     problem = devices.cache_problem()
     return f"compiled in {seconds:.1f} s{cached}" + (f"; note: {problem}" if problem else "")
 

@@ -355,10 +355,14 @@ def keep_compiled_programs(jax):
     """JAX's persistent compilation cache, for every program (not only the
     slow ones): a second run loads its programs instead of compiling them,
     and ``CACHE`` counts which it did."""
-    jax.config.update("jax_compilation_cache_dir", jax_cache_folder())
+    folder = jax_cache_folder()
+    jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     if not CACHE:  # listen once per process
         CACHE["listening"] = 1
+        # an empty cache serves only what this run (another worker, or this
+        # process, compiling the same program twice) has just put there
+        CACHE["empty_at_start"] = int(not (os.path.isdir(folder) and os.listdir(folder)))
         jax.monitoring.register_event_listener(
             lambda event, **_: CACHE.update([CACHE_EVENTS[event]] if event in CACHE_EVENTS
                                             else []))

@@ -30,7 +30,8 @@ def test_the_readme_shows_what_the_quick_start_prints(tmp_path):
     assert out.returncode == 0, out.stderr
 
     def shape(line):
-        line = re.sub(r" \(\d+ of \d+ programs from XLA's cache\)$", "", line)
+        line = re.sub(r" \(\d+ compiled, \d+ read from XLA's cache as this run filled it\)$",
+                      "", line)
         return re.sub(r"\d[\d,.]*", "#", line)
     printed = [shape(line) for line in out.stdout.splitlines()
                if not line.startswith("... still compiling")]  # a slow first compile's beats
