@@ -643,11 +643,9 @@ def worker(args, rank, world, dev, rundir, watchdog):
                 continue
             trainer.to_model()
             report.check_finite(model.get_params(), epoch, args.learning_rate, args.l1, args.l2)
-            validating = trace.now()
-            progress.validated(epoch, float(model.validate_model()), model.test_model,
-                               model.get_params)
-            if tracer:  # the others wait for it at the next step's signal: drawn there
-                tracer.span("validate", validating, trace.now(), step=tracer.step + 1)
+            with trace.timed(tracer, "validate"):  # drawn at the step the others wait there
+                progress.validated(epoch, float(model.validate_model()), model.test_model,
+                                   model.get_params)
             minibatches = cli.counted(world * n_steps, "minibatch", "minibatches")
             say(f"epoch {epoch}/{args.epochs}: {cli.counted(n_steps, 'step')} per worker "
                 f"({minibatches} of {args.batch_size}), validation error "

@@ -83,11 +83,8 @@ def available_memory():
     the kernel's OOM killer ends a process long before the machine is full;
     or less where the process's own ``ulimit -v`` (what batch schedulers
     set) leaves less, past which an allocation is a MemoryError."""
-    try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) << 10 for line in f
-                             if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
+    available = proc_bytes("/proc/meminfo", "MemAvailable")
+    if available is None:
         return None
     for headroom in (*cgroup_headrooms(), address_space_left()):
         if headroom is not None:
@@ -99,15 +96,18 @@ def address_space_left():
     """Bytes this process may still map under its ``ulimit -v`` (RLIMIT_AS),
     or None where it has none."""
     limit, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if limit == resource.RLIM_INFINITY:
-        return None
+    mapped = None if limit == resource.RLIM_INFINITY else proc_bytes("/proc/self/status",
+                                                                       "VmSize")
+    return None if mapped is None else limit - mapped
+
+
+def proc_bytes(path, key):
+    """The bytes a line ``KEY: N kB`` of Linux's ``path`` gives, or None."""
     try:
-        with open("/proc/self/status") as f:
-            mapped = next(int(line.split()[1]) << 10 for line in f
-                          if line.startswith("VmSize:"))
+        with open(path) as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith(key + ":"))
     except (OSError, StopIteration, ValueError):
         return None
-    return limit - mapped
 
 
 def cgroup_headrooms():

@@ -23,6 +23,7 @@ the same), and ``DeviceClock`` puts those stamps on the host's clock.
 """
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import collections
+import contextlib
 import functools
 import json
 import math
@@ -130,6 +131,16 @@ def kernel_spans(tracer, stamped, rank, nbytes, clock_at_start, clock_at_end):
         previous = (call, at["written"])
     tracer.about.update(clock.about(), device_clock_tick_ns=clock_at_start[1],
                         stamps_lost=sum(s is None for *_, s in stamped))
+
+
+@contextlib.contextmanager
+def timed(tracer, name):
+    """The block, a span ``name`` of ``tracer``'s next step (where there is a
+    tracer): what runs between two steps, as worker 0's validation."""
+    start = now()
+    yield
+    if tracer:
+        tracer.span(name, start, now(), step=tracer.step + 1)
 
 
 def now():

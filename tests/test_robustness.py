@@ -320,6 +320,27 @@ def test_staged_on_cpu_workers_is_one_line():
              "--staged moves GPU workers' weights through host memory")
 
 
+def dev_shm_filled(tmp_path, fault, stopped, fill_mb):
+    """``dual_mlp.py cpu cpu`` in a private 40 MB /dev/shm, stopped by
+    DUAL_MLP_FAULT=``fault``: once ``stopped`` (shell; it sets W, the
+    process the fault stopped, from L, the launcher's pid) holds and W is
+    stopped, ``fill_mb`` MB of /dev/shm are taken and W goes on.  Returns
+    the launcher's exit code and the lines of its error output."""
+    run = f"""mount -t tmpfs -o size=40m tmpfs /dev/shm || exit 99
+{sys.executable} {ROOT / 'dual_mlp.py'} cpu cpu --epochs 2 2> {tmp_path / 'err'} &
+L=$!
+until {stopped} && [ "$(ps -o stat= -p $W | cut -c1)" = T ]; do sleep 0.05; done
+dd if=/dev/zero of=/dev/shm/filler bs=1M count={fill_mb} 2>/dev/null
+kill -CONT $W; wait $L; echo $? > {tmp_path / 'code'}"""
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", run],
+                         capture_output=True, text=True, timeout=120,
+                         env=environment({"DUAL_MLP_FAULT": fault}))
+    if out.returncode == 99:
+        pytest.skip(f"no mount namespace here: {out.stderr.strip()}")
+    return ((tmp_path / "code").read_text().strip(),
+            (tmp_path / "err").read_text().strip().splitlines())
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
                     reason="needs root and unshare, for a small /dev/shm of its own")
 @pytest.mark.parametrize("left_mb, who", [(0, "error: no room left in the run folder"),
@@ -329,19 +350,9 @@ def test_a_dev_shm_filled_after_the_room_check_is_one_line(tmp_path, left_mb, wh
     the workers' buffers: the launcher (nothing left) or a worker (room for
     the request and the data's copy, 15.7 MB, not for the weights, 12.7)
     says so in one line, naming the folder."""
-    run = f"""mount -t tmpfs -o size=40m tmpfs /dev/shm || exit 99
-{sys.executable} {ROOT / 'dual_mlp.py'} cpu cpu --epochs 2 2> {tmp_path / 'err'} &
-L=$!
-while [ "$(ps -o stat= -p $L | cut -c1)" != "T" ]; do sleep 0.05; done
-dd if=/dev/zero of=/dev/shm/filler bs=1M count={40 - left_mb if left_mb else 100} 2>/dev/null
-kill -CONT $L; wait $L; echo $? > {tmp_path / 'code'}"""
-    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", run],
-                         capture_output=True, text=True, timeout=120,
-                         env=environment({"DUAL_MLP_FAULT": "launcher:folder:stop"}))
-    if out.returncode == 99:
-        pytest.skip(f"no mount namespace here: {out.stderr.strip()}")
-    err = (tmp_path / "err").read_text().strip().splitlines()
-    assert (tmp_path / "code").read_text().strip() == "1" and len(err) == 1, err
+    code, err = dev_shm_filled(tmp_path, "launcher:folder:stop", "W=$L",
+                               40 - left_mb if left_mb else 100)
+    assert code == "1" and len(err) == 1, err
     assert who in err[0] and "error: no room left in the run folder /dev/shm/dual_mlp-" in err[0]
 
 
@@ -352,20 +363,10 @@ def test_a_dev_shm_filled_as_a_worker_compiles_is_one_line(tmp_path):
     it: PyTensor writes each compiled graph's source into the run folder,
     and its error names no file; worker 0 says in one line that the run
     folder has no room (it was a traceback ending in a bare OSError)."""
-    run = f"""mount -t tmpfs -o size=40m tmpfs /dev/shm || exit 99
-{sys.executable} {ROOT / 'dual_mlp.py'} cpu cpu --epochs 2 2> {tmp_path / 'err'} &
-L=$!
-until W=$(pgrep -f -- "--worker 0 $L") && [ "$(ps -o stat= -p $W | cut -c1)" = T ] &&
-      ls /dev/shm/dual_mlp-*/weights1.bin >/dev/null 2>&1; do sleep 0.05; done
-dd if=/dev/zero of=/dev/shm/filler bs=1M count=100 2>/dev/null
-kill -CONT $W; wait $L; echo $? > {tmp_path / 'code'}"""
-    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", run],
-                         capture_output=True, text=True, timeout=120,
-                         env=environment({"DUAL_MLP_FAULT": "0:compile:stop"}))
-    if out.returncode == 99:
-        pytest.skip(f"no mount namespace here: {out.stderr.strip()}")
-    err = (tmp_path / "err").read_text().strip().splitlines()
-    assert (tmp_path / "code").read_text().strip() == "1" and len(err) == 1, err
+    code, err = dev_shm_filled(
+        tmp_path, "0:compile:stop", "W=$(pgrep -f -- \"--worker 0 $L\") && "
+        "ls /dev/shm/dual_mlp-*/weights1.bin >/dev/null 2>&1", 100)
+    assert code == "1" and len(err) == 1, err
     assert "failed: worker 0: error: no room left in the run folder /dev/shm/dual_mlp-" in err[0]
 
 
