@@ -24,8 +24,8 @@ alternate minibatches:
   5. average  a Theano function per parameter whose update is
               ``(param + param_other) / 2``.
 
-This file is the launcher: it checks the request and starts one worker per
-device (this same file, with ``--worker``).  Worker k of N holds a full
+This file is the launcher: it checks the request and forks one worker per
+device (``worker`` below, in a process of its own).  Worker k of N holds a full
 replica and trains on the minibatches whose index is k modulo N.  Between
 CPUs or the GPUs of one machine (``--exchange p2p``), each step has six
 phases, and ``HostOrdered.epoch`` below is that step, line for line:
@@ -52,8 +52,9 @@ What changed since 2014, and why:
   interface: nothing to collide with, nothing another user can reach.
 * PyCUDA works in JAX's primary CUDA context, not a context of its own, so
   that a pointer into a JAX array is valid for PyCUDA.
-* each worker is this script run again, seeing its own GPU only, not a
-  forked child: JAX's threads do not survive a fork.
+* each worker is forked once JAX and PyTensor are imported, not started:
+  JAX's threads and CUDA do not survive a fork (2014 forked first, and
+  imported Theano in each child); each then sees its own GPU only.
 * N workers, not two: each reads every send buffer, its own included, and
   sums them in rank order (2014: ``param + param_other`` on each side).
 * who orders the phases (``--sync``).  ``host``: the host waits for its
@@ -83,7 +84,6 @@ if __name__ == "__main__":  # a Ctrl-C while PyTensor loads ends the script, wit
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     sys.path.insert(0, __file__.rpartition("/")[0])  # the package, under python -I too
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
-import argparse
 import functools
 import os
 import shlex
@@ -668,11 +668,6 @@ def worker(args, rank, world, dev, rundir, watchdog):
 def main(argv=None):
     cli.quiet_start_up()
     args = parse_args(argv)
-    if args.worker:
-        index, launcher_pid = args.worker
-        return run_worker(worker, int(index), int(launcher_pid),
-                          (PeerError, records.CheckpointError, datasets.DatasetError,
-                           report.Diverged))
     started = time.perf_counter()
     args.command = shlex.join(["python", "dual_mlp.py"] + (sys.argv[1:] if argv is None else argv))
     with ExitStack() as run:
@@ -698,7 +693,10 @@ def main(argv=None):
         for notice in notices + [folder_notice] if args.node_rank == 0 else [notice]:
             if notice:
                 cli.say(notice, file=sys.stderr if notice.startswith("warning:") else sys.stdout)
-        code = launcher.supervise(args, shapes, os.path.abspath(__file__), rundir, link)
+        # each worker is forked from here, as in 2014, and runs worker() in its own process
+        start = functools.partial(run_worker, worker, one_line_errors=(
+            PeerError, records.CheckpointError, datasets.DatasetError, report.Diverged))
+        code = launcher.supervise(args, shapes, start, rundir, link)
     if code == 0:
         cli.say(report.ended(args, time.perf_counter() - started))
     return code
@@ -804,8 +802,6 @@ def parse_args(argv=None):
                         "nodes prove they hold the run's secret there, and learn where JAX's "
                         "coordinator is); one machine, --exchange xla: JAX's coordinator's own "
                         "address (default: a socket in the run's private folder)")
-    p.add_argument("--worker", nargs=2, metavar=("INDEX", "LAUNCHER_PID"),
-                   help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

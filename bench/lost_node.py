@@ -42,8 +42,8 @@ def workers_of(pid):
         try:
             with open(f"/proc/{child}/stat") as f:
                 parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                worker = b"--worker" in f.read().split(b"\0")
+            with open(f"/proc/{child}/comm", "rb") as f:
+                worker = f.read().startswith(b"dual_mlp w")
         except (OSError, IndexError, ValueError):
             continue
         if parent == pid and worker:

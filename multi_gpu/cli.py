@@ -36,9 +36,8 @@ def quit_quietly(signum, frame):
     for undo in reversed(ON_QUIT):
         with contextlib.suppress(Exception):
             undo()
-    if "--worker" not in sys.argv:  # the launcher speaks for its workers
-        with contextlib.suppress(OSError):
-            os.write(2, b"interrupted\n")
+    with contextlib.suppress(OSError):
+        os.write(2, b"interrupted\n")
     os._exit(128 + signum)
 
 

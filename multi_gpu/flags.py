@@ -109,8 +109,8 @@ def apply(environ=os.environ):
         print(f"{script}: error: {threads}: not a number of threads (a positive integer): "
               "set it to one, or unset it", file=sys.stderr)
         sys.exit(2)
-    # before NumPy's BLAS starts its threads, one a core (a worker's: its launcher counted them)
-    too_few = "--worker" not in sys.argv and threads_problem((os.cpu_count() or 2) + 8, script)
+    # before NumPy's BLAS starts its threads, one a core
+    too_few = threads_problem((os.cpu_count() or 2) + 8, script)
     if too_few:
         print(f"{script}: error: {too_few}", file=sys.stderr)
         sys.exit(2)

@@ -2,7 +2,7 @@
 
 Everything a request could get wrong is checked (``check_request``) before
 any process starts, and refused in one line (``UsageError``; the caller
-exits 2).  Then ``launch`` starts one worker process per local device, each
+exits 2).  Then ``launch`` forks one worker process per local device, each
 seeing its own GPU only, passes their error output through, and if one
 fails stops the others at once (SIGTERM, then SIGKILL after two seconds)
 and names the worker and the line of its output that says what went wrong,
@@ -15,7 +15,10 @@ from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags, before
 import base64
 import collections
 import contextlib
+import ctypes
+import functools
 import importlib.util
+import io
 import itertools
 import json
 import math
@@ -31,6 +34,8 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
+import warnings
 
 import pytensor
 
@@ -38,22 +43,43 @@ from multi_gpu import cli, datasets, devices, files, records
 from multi_gpu.cli import UsageError
 from multi_gpu.nodes import LOST_AFTER, check_port, free_port, host_and_port, on_loopback
 from multi_gpu.trainer import steps_per_epoch
-from multi_gpu.worker import (RUN_FOLDER_VARIABLE, fault_point, fault_spec_problem,
+from multi_gpu.worker import (fault_point, fault_spec_problem, forget_the_launchers_state,
                               heartbeat_path, request_stop, stopping)
 
 
-def usable_gpus():
-    """(number of GPUs the GPU path can use, why none); starts no CUDA context."""
+# Run in a process of its own: a launcher that started CUDA could not fork
+# workers that use it (CUDA does not survive a fork), as 2014's launcher did not either.
+GPU_PROBE = """
+import json, pycuda.driver as drv
+drv.init()
+n = drv.Device.count()
+print(json.dumps([[a == b or drv.Device(a).can_access_peer(drv.Device(b)) for b in range(n)]
+                  for a in range(n)]))
+"""
+
+
+@functools.cache
+def gpu_probe():
+    """(which GPUs can read which one's memory, a matrix; why there are none)."""
     if importlib.util.find_spec("jax") is None:
-        return 0, "JAX is not installed"
+        return [], "JAX is not installed"
+    if importlib.util.find_spec("pycuda") is None:
+        return [], "PyCUDA is not installed"
     try:
-        import pycuda.driver as drv
-        drv.init()
-        return drv.Device.count(), "no GPU found"
-    except ImportError:
-        return 0, "PyCUDA is not installed"
-    except Exception as e:  # pycuda.driver.Error: no driver, no device
-        return 0, f"CUDA does not start ({e})"
+        out = subprocess.run([sys.executable, "-c", GPU_PROBE], capture_output=True, text=True,
+                             timeout=120)
+    except subprocess.TimeoutExpired:
+        return [], "CUDA did not start within 120 s"
+    if out.returncode:  # pycuda.driver.Error: no driver, no device
+        last = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
+        return [], f"CUDA does not start ({last})"
+    return json.loads(out.stdout), "no GPU found"
+
+
+def usable_gpus():
+    """(number of GPUs the GPU path can use, why none); starts no CUDA here."""
+    peers, why = gpu_probe()
+    return len(peers), why
 
 
 def choose_devices(requested, nodes=1):
@@ -87,8 +113,7 @@ def choose_devices(requested, nodes=1):
 
 def peer_access(a, b):
     """Can GPU a read GPU b's memory directly (NVLink or PCIe peer-to-peer)?"""
-    import pycuda.driver as drv
-    return a == b or drv.Device(a).can_access_peer(drv.Device(b))
+    return gpu_probe()[0][a][b]
 
 
 def private_coordinator(rundir):
@@ -192,7 +217,7 @@ RUN_OPTIONS = TRAINED_WITH + ("epochs", "seed", "exchange", "sync", "avg", "step
 # A node's own, which the nodes may give differently: its outputs, its waits, its place
 # (its devices count as workers per node and platform, its --resume as the resumed epoch).
 NODE_OWN = ("devices", "save", "resume", "json", "trace", "trace_from", "trace_steps",
-            "timeout", "node_rank", "secret_file", "coordinator", "worker")
+            "timeout", "node_rank", "secret_file", "coordinator")
 
 
 def option_name(key):
@@ -452,7 +477,7 @@ def place_coordinator(args):
 
 
 def worker_environment(dev, n_local, one_machine=True):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ)
     if one_machine:  # NCCL's bootstrap sockets on the loopback, where nobody else reaches
         env["NCCL_SOCKET_IFNAME"] = "lo"
     if dev == "cpu":
@@ -472,6 +497,110 @@ def worker_environment(dev, n_local, one_machine=True):
     return env
 
 
+def preload():
+    """Import, once, what every worker imports: each is forked from the
+    launcher and finds it loaded (a second of CPU a worker).  JAX is
+    imported, not started: no backend, so none of its threads, and no CUDA
+    (JAX itself warns at a fork once a backend runs)."""
+    import jax  # noqa: F401
+    import pytensor.link.jax.dispatch  # noqa: F401
+
+
+def text_stream(fd, like):
+    """A new, unbuffered text stream on ``fd``, written as ``like`` was."""
+    return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), line_buffering=True,
+                            write_through=True, encoding=getattr(like, "encoding", None),
+                            errors=getattr(like, "errors", None))
+
+
+class Forked:
+    """A worker process, forked from the launcher as 2014's
+    ``multiprocessing.Process`` children were, with the part of
+    ``subprocess.Popen``'s interface the launcher uses.  The child runs
+    ``start()`` as a new process would: its error output a pipe to the
+    launcher, no descriptor, signal handler or clean-up of the launcher's,
+    the environment ``env``, and fresh standard streams (a lock of the
+    launcher's threads' is not its)."""
+
+    def __init__(self, start, env, name):
+        reader, writer = os.pipe()
+        for stream in filter(None, (sys.stdout, sys.stderr)):  # or the child writes it again
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        # no stop signal's handler of the launcher's may run in the child
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, cli.STOP_SIGNALS)
+        with warnings.catch_warnings():
+            # Python warns at any fork beside threads: here NumPy's BLAS's, idle,
+            # (and the lobby's, on several nodes), whose locks the child never takes
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            self._become_worker(start, env, name, writer, blocked)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        os.close(writer)
+        with contextlib.suppress(OSError):  # set on both sides: no signal finds it between
+            os.setpgid(pid, pid)
+        self.pid, self.returncode = pid, None
+        self.stderr = os.fdopen(reader, errors="replace")
+
+    @staticmethod
+    def _become_worker(start, env, name, writer, blocked):
+        code = 1
+        try:
+            # A process group of its own: a terminal's Ctrl-C reaches the launcher
+            # alone, which stops every worker, whatever each is doing just then.
+            os.setpgid(0, 0)
+            os.dup2(writer, 2)
+            os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+            for signum in cli.STOP_SIGNALS:
+                signal.signal(signum, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            forget_the_launchers_state()
+            os.environ.clear()
+            os.environ.update(env)
+            import jax  # JAX read JAX_PLATFORMS as the launcher imported it
+            jax.config.update("jax_platforms", env.get("JAX_PLATFORMS"))
+            # (descriptor 1 is open: /dev/null where the launcher started without, flags.py)
+            sys.stdout, sys.stderr = text_stream(1, sys.stdout), text_stream(2, sys.stderr)
+            with contextlib.suppress(OSError, AttributeError):  # ps, top and pgrep show it
+                ctypes.CDLL(None).prctl(15, name.encode()[:15])  # PR_SET_NAME
+            code = start()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else bool(print(e.code, file=sys.stderr))
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os._exit(code or 0)
+
+    def poll(self):
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+            time.sleep(0.005)
+        return self.returncode
+
+    def send_signal(self, signum):
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
 class Worker:
     """A worker process seen from the launcher.  One process speaks: worker
     0's warnings and notices pass through to the terminal; every other line
@@ -489,20 +618,15 @@ class Worker:
     SPOKEN = re.compile(r"worker 0: (warning|notice): .*")
     quiet = False  # set for every worker once the run is being stopped
 
-    def __init__(self, script, index, rank, dev, rundir, n_local, one_machine):
+    def __init__(self, start, index, rank, dev, rundir, n_local, one_machine):
+        """Fork the worker: ``start(index, launcher's pid, rundir)`` in it.  The
+        run folder's name is passed in memory: a command line is every user's
+        to read in /proc."""
         self.rank, self.dev = rank, dev
-        # A process group of its own: a terminal's Ctrl-C reaches the launcher
-        # alone, which stops every worker, whatever each is doing just then.
-        # The run folder's name goes in the environment, which only this user
-        # can read: a command line is every user's to read in /proc.
-        self.proc = subprocess.Popen(
-            [sys.executable, script, "--worker", str(index), str(os.getpid())],
-            env=dict(worker_environment(dev, n_local, one_machine),
-                     **{RUN_FOLDER_VARIABLE: rundir}),
-            stderr=subprocess.PIPE, text=True, process_group=0)
+        self.proc = Forked(functools.partial(start, index, os.getpid(), rundir),
+                           worker_environment(dev, n_local, one_machine), f"dual_mlp w{rank}")
         self.tail = collections.deque(maxlen=200)
         self.pump = threading.Thread(target=self._pass_stderr, daemon=True)
-        self.pump.start()
 
     def _pass_stderr(self):
         for line in self.proc.stderr:
@@ -639,9 +763,9 @@ def run_folder(args, shapes):
     return os.path.join(folder, name), notice
 
 
-def launch(args, shapes, script, rundir, link):
-    """Start the workers (``script --worker INDEX LAUNCHER_PID``, the run
-    folder's name in their environment), then make the run folder and leave
+def launch(args, shapes, start, rundir, link):
+    """Fork the workers (each runs ``start(INDEX, LAUNCHER_PID, RUN_FOLDER)``),
+    then make the run folder and leave
     the request there, and watch them and the other nodes (``link``); if a
     worker fails or stops running, or another node does, or node 0 orders
     the run to start again, stop the others at once.  Returns (the exit
@@ -661,8 +785,12 @@ def launch(args, shapes, script, rundir, link):
     workers, n_local, made = [], len(args.devices), False
     Worker.quiet = False
     try:
-        workers = [Worker(script, i, args.node_rank * n_local + i, dev, rundir, n_local,
-                          args.one_machine) for i, dev in enumerate(args.devices)]
+        preload()
+        for i, dev in enumerate(args.devices):
+            workers.append(Worker(start, i, args.node_rank * n_local + i, dev, rundir, n_local,
+                                  args.one_machine))
+        for w in workers:  # once every fork is done: no thread of ours to fork beside
+            w.pump.start()
         fault_point("launcher", "spawned")
         try:
             files.make_folder(rundir)
@@ -776,7 +904,7 @@ def position(rundir, rank):
     return f" at epoch {epoch}, step {step}" if epoch else ""
 
 
-def supervise(args, shapes, script, rundir, link):
+def supervise(args, shapes, start, rundir, link):
     """Run the workers (``launch``); where one fails or stops, and
     ``--max-restarts`` allows, start them all again from the run's last
     checkpoint, every node, saying so in one line each time: node 0
@@ -784,7 +912,7 @@ def supervise(args, shapes, script, rundir, link):
     a node lost ends the run.  Where the run fails for good, its last line
     says what failed, where, and how to resume.  Returns the exit code."""
     for restart in range(1, args.max_restarts + 2):
-        code, trace, why, lost = launch(args, shapes, script, rundir, link)
+        code, trace, why, lost = launch(args, shapes, start, rundir, link)
         if why is None:
             break
         if args.node_rank and not link.ordered():

@@ -47,6 +47,15 @@ class StopRequest:
 stopping = StopRequest()
 
 
+def forget_the_launchers_state():
+    """In a worker just forked: what the launcher's process held or was
+    doing is not its own (its descriptors are closed already)."""
+    cli.ON_QUIT.clear()  # the launcher's to undo
+    files.SPARE.clear()
+    files.WRITING.clear()  # the launcher's temporaries, for it to remove
+    stopping.signum = 0
+
+
 def request_stop(signum, frame):
     stopping.signum = signum
 
@@ -320,7 +329,6 @@ def release_stdout():
         FORWARD.join(timeout=2)
 
 
-RUN_FOLDER_VARIABLE = "DUAL_MLP_RUN"  # the run folder's path, in each worker's environment
 
 
 def the_request(rundir):
@@ -347,18 +355,13 @@ def the_request(rundir):
     return None
 
 
-def run_worker(work, index, launcher_pid, one_line_errors):
-    """Worker ``index`` of the launcher ``launcher_pid``: ``work(args, rank,
-    world, device, rundir, watchdog)`` with the request the launcher leaves
-    in the run folder.  The folder's name comes in the environment
-    (``DUAL_MLP_RUN``), which only this user can read, never on the command
-    line, which every user can.  An error of ``one_line_errors`` is said in
-    one line, any other with its traceback."""
+def run_worker(work, index, launcher_pid, rundir, one_line_errors):
+    """Worker ``index`` of the launcher ``launcher_pid``, forked from it:
+    ``work(args, rank, world, device, rundir, watchdog)`` with the request
+    the launcher leaves in the run folder ``rundir``.  An error of
+    ``one_line_errors`` is said in one line, any other with its traceback.
+    Returns never: the process ends here (``quit_now``)."""
     global RUN_FOLDER, LAUNCHER
-    rundir = os.environ.get(RUN_FOLDER_VARIABLE)
-    if not rundir:
-        sys.exit(f"worker {index}: error: {RUN_FOLDER_VARIABLE} is not set: workers are started "
-                 "by dual_mlp.py, not by hand")
     RUN_FOLDER, LAUNCHER = rundir, launcher_pid
     # Our error output is a pipe to the launcher: once it is gone, a write
     # there (JAX's runtime logs as its peers go) must not end us by SIGPIPE
@@ -402,12 +405,12 @@ def run_worker(work, index, launcher_pid, one_line_errors):
             code = 1
     if code or os.getppid() != LAUNCHER:
         quit_now(code)
-    if args.exchange != "xla":
-        # Done and written: Python's own clean-up of JAX's and PyTensor's
-        # modules would take half a second of every run and free nothing the
-        # system does not.  (JAX's distributed runtime ends at exit with a
-        # barrier the other workers wait for: an xla worker exits in full.)
-        quit_now(0)
-    watchdog.finished()  # its heartbeat may stop now: the runtime's exit waits for the others
-    release_stdout()
-    return 0
+    if args.exchange == "xla":
+        # JAX's distributed runtime ends with a barrier the other workers wait
+        # for: its heartbeat may stop now
+        watchdog.finished()
+        import jax
+        jax.distributed.shutdown()
+    # Done and written: Python's own clean-up of JAX's and PyTensor's modules
+    # would take half a second of every run and free nothing the system does not.
+    quit_now(0)

@@ -166,16 +166,26 @@ atexit.register(stop_started)
 signal.signal(signal.SIGTERM, stop_started_and_exit)
 
 
+WORKER_NAME = "dual_mlp w"  # a worker's process name (ps, pgrep): "dual_mlp w0" is rank 0's
+
+
 def workers_of(launcher):
     """The launcher's workers now (a child that ends meanwhile is none)."""
     found = []
     for p in psutil.Process(launcher.pid).children():
         try:
-            if "--worker" in p.cmdline():
+            if p.name().startswith(WORKER_NAME):
                 found.append(p)
         except psutil.Error:
             pass
     return found
+
+
+def run_folder_of(launcher):
+    """The run folder of a launcher (named after its pid), once it is there."""
+    return wait_for(lambda: next((str(p) for p in run_folders()
+                                  if p.name.startswith(f"dual_mlp-{launcher.pid}-")), None),
+                    60, "the run folder")
 
 
 def wait_for(predicate, timeout, what):
@@ -191,10 +201,9 @@ def wait_for(predicate, timeout, what):
 def leftover_workers():
     """The tests' dual_mlp worker processes still alive (zombies included)."""
     found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
+    for p in psutil.process_iter(["status"]):
         try:
-            if "--worker" in (p.info["cmdline"] or []) and any(
-                    c.endswith("dual_mlp.py") for c in p.info["cmdline"]) and \
+            if p.name().startswith(WORKER_NAME) and \
                     p.environ().get("DUAL_MLP_TESTS") == TOKEN:
                 found.append(p)
         except psutil.Error:

@@ -364,7 +364,7 @@ def test_a_dev_shm_filled_as_a_worker_compiles_is_one_line(tmp_path):
     and its error names no file; worker 0 says in one line that the run
     folder has no room (it was a traceback ending in a bare OSError)."""
     code, err = dev_shm_filled(
-        tmp_path, "0:compile:stop", "W=$(pgrep -f -- \"--worker 0 $L\") && "
+        tmp_path, "0:compile:stop", "W=$(pgrep -P $L -x 'dual_mlp w0') && "
         "ls /dev/shm/dual_mlp-*/weights1.bin >/dev/null 2>&1", 100)
     assert code == "1" and len(err) == 1, err
     assert "failed: worker 0: error: no room left in the run folder /dev/shm/dual_mlp-" in err[0]

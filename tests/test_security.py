@@ -16,7 +16,7 @@ import pytest
 
 from multi_gpu import datasets, files, records
 from conftest import (SECRET, SHAPES, dual, finish, leftover_workers, refused, start_dual,
-                      wait_for, workers_of)
+                      run_folder_of, wait_for, workers_of)
 from multi_gpu.nodes import free_port
 
 NOBODY = 65534
@@ -39,22 +39,43 @@ def their_python():
     pytest.skip("no Python that another user can run here")
 
 
-def run_folder_of(proc):
-    """The run folder a launcher's workers were given (in their environment)."""
+def name_in_memory(pid, pattern):
+    """What matches ``pattern`` (bytes) in a process's writable memory, read
+    as root can (/proc/PID/mem): where a name no file or command line shows
+    lies."""
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb") as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            if not perms.startswith("rw"):
+                continue
+            start, end = (int(x, 16) for x in span.split("-"))
+            try:
+                mem.seek(start)
+                found = re.search(pattern, mem.read(end - start))
+            except (OSError, OverflowError, ValueError):
+                continue
+            if found:
+                return found.group().decode()
+    raise AssertionError(f"{pattern!r} is nowhere in process {pid}'s memory")
+
+
+def workers_and_run_folder(proc):
+    """A launcher's two workers and its run folder, once they are there."""
     workers = wait_for(lambda: len(workers_of(proc)) == 2 and workers_of(proc), 60,
                        "the workers to start")
-    return workers, workers[0].environ()["DUAL_MLP_RUN"]
+    return workers, run_folder_of(proc)
 
 
 @AS_ROOT
 def test_another_user_can_neither_learn_nor_take_the_run_folder(tmp_path):
     """The launcher is held (SIGSTOP) between starting its workers and making
     the folder: the moment another user would need the folder's name.  It is
-    on no command line, and the workers' environment, where it is, is not
-    theirs to read.  Even a stranger who had it and made the folder first
-    (with a request of their choosing, and heartbeat files that are links to
-    a root-only file) gets nothing: the run stops in one line and leaves
-    their folder and the linked file as they were."""
+    on no command line and in no environment, only in the processes' memory
+    (the workers are forked), which is not theirs to read.  Even a stranger
+    who had it and made the folder first (with a request of their choosing,
+    and heartbeat files that are links to a root-only file) gets nothing: the
+    run stops in one line and leaves their folder and the linked file as
+    they were."""
     precious = tmp_path / "precious"
     precious.write_text("root's own")
     precious.chmod(0o600)
@@ -63,12 +84,14 @@ def test_another_user_can_neither_learn_nor_take_the_run_folder(tmp_path):
     try:
         wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 60,
                  "the launcher to stop itself")
-        workers, folder = run_folder_of(proc)
-        assert os.path.basename(folder).startswith("dual_mlp-")
+        workers = wait_for(lambda: len(workers_of(proc)) == 2 and workers_of(proc), 60,
+                           "the workers to start")
+        folder = name_in_memory(workers[0].pid, rb"/[\w./-]+/dual_mlp-%d-[0-9a-f]{16}" % proc.pid)
         for p in [psutil.Process(proc.pid)] + workers:
             assert not any(os.path.basename(folder) in arg for arg in p.cmdline()), p.cmdline()
-        peek = as_nobody("cat", f"/proc/{workers[0].pid}/environ")
-        assert peek.returncode != 0 and "Permission denied" in peek.stderr, peek
+        for secret in ("environ", "mem"):
+            peek = as_nobody("cat", f"/proc/{workers[0].pid}/{secret}")
+            assert peek.returncode != 0 and "Permission denied" in peek.stderr, peek
         plant = as_nobody("sh", "-c", f"mkdir -m 755 {folder} && echo '{{}}' > {folder}/config.json"
                                       f" && ln -s {precious} {folder}/alive-0"
                                       f" && ln -s {precious} {folder}/alive-1")
@@ -177,7 +200,7 @@ def test_the_one_machine_coordinator_is_out_of_other_users_reach(no_leftovers, n
                                       if l.startswith(("notice: --coordinator", "... training"))),
                                      None), 60, "training")
         assert said.startswith("notice: --coordinator 127.0.0.1:") == named, said
-        _, folder = run_folder_of(proc)
+        _, folder = workers_and_run_folder(proc)
         coordinator = os.path.join(folder, "coordinator.sock")
         wait_for(lambda: os.path.exists(coordinator), 60, "the coordinator's socket")
         if os.geteuid() == 0 and shutil.which("setpriv"):

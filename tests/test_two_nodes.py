@@ -11,8 +11,8 @@ import psutil
 import pytest
 import zmq
 
-from conftest import (SECRET, finish, leftover_workers, made_once, run_directories, start_node,
-                      wait_for, workers_of)
+from conftest import (SECRET, finish, leftover_workers, made_once, run_directories,
+                      run_folder_of, start_node, wait_for, workers_of)
 from multi_gpu.nodes import curve_keys, free_port
 
 TWO = ("cpu", "cpu")  # the devices of each node: four workers in all
@@ -122,7 +122,7 @@ def meet_and_train(folder):
         idle, seen["growth"] = swell(launcher, port)
         node1 = start_node(port, 1, *same, devices=TWO, env={"DUAL_MLP_SECRET": secret})
         worker0 = wait_for(lambda: workers_of(node0), 60, "node 0's workers")[0]
-        folder0 = worker0.environ()["DUAL_MLP_RUN"]
+        folder0 = run_folder_of(node0)
         seen["coordinator"] = wait_for(lambda: [c.laddr for c in worker0.net_connections("unix")
                                                 if c.laddr.startswith(folder0)], 120,
                                        "JAX's coordinator on node 0's worker 0")
