@@ -235,12 +235,13 @@ class DeviceOrdered(Trainer):
 
     def wait(self, marker):
         """Wait for the device to finish a step, and for a stop request meanwhile."""
-        started = time.perf_counter_ns()
+        started, pause = time.perf_counter_ns(), 0.0002
         while not self.done(marker):
             if stopping.is_set():
                 raise Interrupted
             self.see_the_device()
-            time.sleep(0.0002)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.002)
         if self.tracer:
             self.see_the_device()
             self.tracer.span("waiting for the device", started, time.perf_counter_ns(),

@@ -1,0 +1,43 @@
+"""Sixteen machines of one CPU worker each, for real: sixteen test hosts
+(network namespaces on one bridge, an address and interface each), each
+running README.md's command for its node.  Two runs, made once
+(``bench.many_hosts.measure``): two epochs with ``--check``, and one whose
+middle host's cable is cut after node 0's first epoch."""
+import pytest
+
+from bench.hosts import why_no_test_hosts
+from bench.many_hosts import measure
+from conftest import made_once
+
+pytestmark = pytest.mark.skipif(bool(why_no_test_hosts()), reason=str(why_no_test_hosts()))
+
+HOSTS = 16
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return made_once("many_hosts", lambda folder: measure(HOSTS, str(folder)))[1]
+
+
+def test_sixteen_hosts_of_one_worker_each_train_identical_replicas(runs):
+    """Every node ends exit 0 with its own last line; the replicas agree to the bit."""
+    whole = runs["whole"]
+    assert whole["codes"] == [0] * HOSTS, whole["last_lines"]
+    assert whole["max_replica_diff"] == 0.0
+    assert whole["last_lines"][0].startswith("total wall time ")
+    for rank, line in enumerate(whole["last_lines"][1:], 1):
+        assert line.startswith(f"node {rank}: done; total wall time "), line
+
+
+def test_a_cut_cable_among_sixteen_is_named_by_every_survivor_within_15_s(runs):
+    """Node 0 and every other survivor stop within 15 s of the cut, exit 1, in
+    one line that names the lost node and its address; none prints a
+    traceback or a runtime's abort."""
+    cut = runs["cut"]
+    lost = f"error: node {cut['victim']} ({cut['victim_address']}) lost: not heard from for"
+    assert len(cut["survivors"]) == HOSTS - 1
+    for s in cut["survivors"]:
+        assert s["exit_code"] == 1 and s["stopped_after_s"] < 15, s
+        assert s["last_line"].startswith(lost), s
+    assert all(len(s["stderr"].strip().splitlines()) == 1 for s in cut["survivors"]), \
+        [s["stderr"] for s in cut["survivors"]]
