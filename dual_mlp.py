@@ -690,9 +690,9 @@ def main(argv=None):
             cli.say(f"dual_mlp.py: error: {e}", file=sys.stderr)
             return 1 if isinstance(e, nodes.NoAnswer) else 2
         # node 0 speaks for the run; every other node says that it joined
-        for notice in notices + [folder_notice] if args.node_rank == 0 else [notice]:
-            if notice:
-                cli.say(notice, file=sys.stderr if notice.startswith("warning:") else sys.stdout)
+        for said in notices + [folder_notice] if args.node_rank == 0 else [notice]:
+            if said:
+                cli.say(said, file=sys.stderr if said.startswith("warning:") else sys.stdout)
         # each worker is forked from here, as in 2014, and runs worker() in its own process
         start = functools.partial(run_worker, worker, one_line_errors=(
             PeerError, records.CheckpointError, datasets.DatasetError, report.Diverged))

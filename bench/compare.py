@@ -198,6 +198,21 @@ def reference(system, options, env, label, batches, steps, data, optional=None):
     return figures
 
 
+def gpu_demo_runs(batch):
+    """The demo's runs at ``batch`` on GPUs: (name, its devices and options,
+    workers, environment)."""
+    runs = [("one GPU (mlp.py)", [], 1, {"THEANO_FLAGS": "device=cuda0"}),
+            ("demo 0 1 --sync gpu", ["0", "1", "--sync", "gpu"], 2, None),
+            ("demo 0 1 --exchange xla", ["0", "1", "--exchange", "xla"], 2, None),
+            ("demo 0 1 --sync host", ["0", "1", "--sync", "host"], 2, None)]
+    if batch == 5000:  # the 2014 demo's batch: every way of averaging, and one GPU shared
+        runs += [(f"demo 0 1 --sync host --avg {avg}", ["0", "1", "--sync", "host", "--avg",
+                                                        avg], 2, None)
+                 for avg in ("pycuda", "cpu")]
+        runs += [("demo 0 0 (one GPU, two workers)", ["0", "0"], 2, None)]
+    return runs
+
+
 def gpu_runs(args, tiles, tmp, figures):
     """Every system at every batch size, on GPUs 0 and 1: the references
     first, then the demo at 5000, 20000 and 500 per GPU, then the optional
@@ -216,16 +231,7 @@ def gpu_runs(args, tiles, tmp, figures):
         if system not in OPTIONAL:
             add_reference(system, *how)
     for batch in sorted(args.batches, key=lambda b: (b != 5000, -b)):
-        runs = [("one GPU (mlp.py)", [], 1, {"THEANO_FLAGS": "device=cuda0"}),
-                ("demo 0 1 --sync gpu", ["0", "1", "--sync", "gpu"], 2, None),
-                ("demo 0 1 --exchange xla", ["0", "1", "--exchange", "xla"], 2, None),
-                ("demo 0 1 --sync host", ["0", "1", "--sync", "host"], 2, None)]
-        if batch == 5000:  # the 2014 demo's batch: every way of averaging, and one GPU shared
-            runs += [(f"demo 0 1 --sync host --avg {avg}", ["0", "1", "--sync", "host", "--avg",
-                                                            avg], 2, None)
-                     for avg in ("pycuda", "cpu")]
-            runs += [("demo 0 0 (one GPU, two workers)", ["0", "0"], 2, None)]
-        for name, cmd, workers, env in runs:
+        for name, cmd, workers, env in gpu_demo_runs(batch):
             figures.add(demo(name, cmd, batch, workers, args.steps, tiles, tmp, env))
     for system, *how in REFERENCES:
         if system in OPTIONAL:

@@ -287,17 +287,17 @@ def exchange_worker(args):
             correct = bool(np.array_equal(got, expected_mean(args.workers, n)))
             r = repeats(size) if args.timed else 3
 
-            def launch():
+            def launch(n=n):  # (each binds this size's values: called in its own iteration)
                 ex.launch(stream.handle, [(int(buf), n)])
 
-            def timed(run):  # us per exchange
+            def timed(run, r=r):  # us per exchange
                 barrier(peer)
                 begin.record(stream)
                 run()
                 end.record(stream)
                 end.synchronize()
                 return end.time_since(begin) * 1e3 / r
-            row = dict(bytes=size, repeats=r, us=timed(lambda: [launch() for _ in range(r)]),
+            row = dict(bytes=size, repeats=r, us=timed(lambda r=r: [launch() for _ in range(r)]),
                        data_checked=correct)
             if args.timed:
                 replay = replayable(stream, launch, r)
@@ -334,11 +334,11 @@ def nccl_worker(args):
             r = repeats(size)
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-            def all_reduces():
+            def all_reduces(r=r, data=data):  # (each binds this size's values)
                 for _ in range(r):
                     dist.all_reduce(data, dist.ReduceOp.AVG)
 
-            def timed(run):  # us per all-reduce
+            def timed(run, r=r, begin=begin, end=end):  # us per all-reduce
                 dist.barrier()
                 begin.record()
                 run()

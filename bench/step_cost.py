@@ -163,7 +163,8 @@ def figure(system, batch, k, rounds, plain=None, **more):
     return dict(row, **more)
 
 
-def main():
+def arguments():
+    """The command line, checked: each batch leaves two minibatches of the data."""
     from multi_gpu import datasets
     parser = Parser(about=__doc__)
     parser.add_argument("--dataset", default=datasets.SHIPPED,
@@ -189,6 +190,11 @@ def main():
         parser.error(f"--batches {too_big[0]}: {args.dataset} holds {n_train:,} training images, "
                      "fewer than two minibatches: smaller --batches, or more data (--dataset "
                      f"{DEBIAN_FASHION})")
+    return args
+
+
+def main():
+    args = arguments()
     keep_to_one_device(args.cpu)
     xla = world_of_one(args.cpu)
     device = one_device(args.cpu)

@@ -130,22 +130,29 @@ def cgroup_headrooms():
         if not os.path.isdir(folder):  # a container sees its own cgroup as the root
             folder = root
         while folder.startswith(root):
-            try:
-                with open(os.path.join(folder, limit)) as f:
-                    cap = f.read().strip()
-                with open(os.path.join(folder, use)) as f:
-                    used = int(f.read())
-                with open(os.path.join(folder, "memory.stat")) as f:
-                    stat = dict(line.split() for line in f if len(line.split()) == 2)
-            except (OSError, ValueError):
-                cap = "max"
-            else:
-                if cap.isdigit() and int(cap) < 1 << 60:
-                    dropped = int(stat.get("inactive_file", stat.get("total_inactive_file", 0)))
-                    yield int(cap) - used + dropped
+            room = headroom(folder, limit, use)
+            if room is not None:
+                yield room
             if folder == root:
                 break
             folder = os.path.dirname(folder)
+
+
+def headroom(folder, limit, use):
+    """One cgroup's limit less what its members use (its file pages that
+    could be dropped aside), or None where it has no limit."""
+    try:
+        with open(os.path.join(folder, limit)) as f:
+            cap = f.read().strip()
+        with open(os.path.join(folder, use)) as f:
+            used = int(f.read())
+        with open(os.path.join(folder, "memory.stat")) as f:
+            stat = dict(line.split() for line in f if len(line.split()) == 2)
+    except (OSError, ValueError):
+        return None
+    if not cap.isdigit() or int(cap) >= 1 << 60:
+        return None
+    return int(cap) - used + int(stat.get("inactive_file", stat.get("total_inactive_file", 0)))
 
 
 def open_device(dev, jax_on_cpu=False):
@@ -433,7 +440,7 @@ def every_cpu_process_keeps_its_programs(jax):
             compilation_cache.put_executable_and_time(cache_key, module_name, executable,
                                                       backend, int(compile_time_secs))
         except Exception as e:  # as JAX's own writer: a cache that fails costs a compile
-            warnings.warn(f"XLA's cache kept no copy of {module_name}: {e}")
+            warnings.warn(f"XLA's cache kept no copy of {module_name}: {e}", stacklevel=2)
     compiler._cache_write = own_programs_too
     return None
 

@@ -95,6 +95,38 @@ def culprit(message, given):
     return "a flag"
 
 
+def check_threads(environ, script):
+    """The thread variables are numbers, and the user may start a thread a
+    core (NumPy's BLAS does, as it loads): else one line, exit 2."""
+    threads = next((f"{v}={environ[v]}" for v in THREAD_VARIABLES
+                    if not re.fullmatch(r"[1-9]\d{0,4}", environ.get(v, "1").strip())), None)
+    if threads:  # PyTensor, NumPy's BLAS and XLA would each fail on it in their own way
+        print(f"{script}: error: {threads}: not a number of threads (a positive integer): "
+              "set it to one, or unset it", file=sys.stderr)
+        sys.exit(2)
+    too_few = threads_problem((os.cpu_count() or 2) + 8, script)
+    if too_few:
+        print(f"{script}: error: {too_few}", file=sys.stderr)
+        sys.exit(2)
+
+
+def check_compiledir(pytensor, pytensor_flags, script):
+    """PyTensor makes its cache folder at the first compile, deep in a
+    worker: where it cannot, say so now, in one line, and exit 2."""
+    try:
+        with tempfile.TemporaryFile(dir=pytensor.config.compiledir):
+            pass
+    except (OSError, ValueError) as e:
+        named = next((f"{k}={v} (PYTENSOR_FLAGS)" for k, v in parse(pytensor_flags).items()
+                      if "compiledir" in k), None)
+        where = named or f"{os.path.join(os.path.expanduser('~'), '.pytensor')}, under HOME"
+        why = e.strerror if isinstance(e, OSError) else "it cannot be created"
+        hint = "" if named else ": set HOME, or PYTENSOR_FLAGS=base_compiledir=FOLDER"
+        print(f"{script}: error: PyTensor cannot keep its compiled code in {where} ({why}){hint}",
+              file=sys.stderr)
+        sys.exit(2)
+
+
 def apply(environ=os.environ):
     """Map the flags, then import PyTensor, which reads them: a flag it
     rejects ends the script in one line (exit 2); one it does not know is a
@@ -103,17 +135,7 @@ def apply(environ=os.environ):
     script = os.path.basename(sys.argv[0]) or "python"
     given = {"THEANO_FLAGS": environ.pop("THEANO_FLAGS", ""),
              "PYTENSOR_FLAGS": environ.get("PYTENSOR_FLAGS", "")}
-    threads = next((f"{v}={environ[v]}" for v in THREAD_VARIABLES
-                    if not re.fullmatch(r"[1-9]\d{0,4}", environ.get(v, "1").strip())), None)
-    if threads:  # PyTensor, NumPy's BLAS and XLA would each fail on it in their own way
-        print(f"{script}: error: {threads}: not a number of threads (a positive integer): "
-              "set it to one, or unset it", file=sys.stderr)
-        sys.exit(2)
-    # before NumPy's BLAS starts its threads, one a core
-    too_few = threads_problem((os.cpu_count() or 2) + 8, script)
-    if too_few:
-        print(f"{script}: error: {too_few}", file=sys.stderr)
-        sys.exit(2)
+    check_threads(environ, script)
     try:
         pytensor_flags, warnings, DEVICE = to_pytensor(*given.values())
         DEVICE_ASKED = parse(given["THEANO_FLAGS"]).get("device")
@@ -144,18 +166,7 @@ def apply(environ=os.environ):
             continue
         source = next((n for n, v in given.items() if key.group(1) in parse(v, n)), "a flag")
         warnings.append(f"{source}: '{key.group(1)}' is not a PyTensor flag: ignored")
-    try:  # PyTensor makes its cache folder at the first compile: deep in a worker
-        with tempfile.TemporaryFile(dir=pytensor.config.compiledir):
-            pass
-    except (OSError, ValueError) as e:
-        named = next((f"{k}={v} (PYTENSOR_FLAGS)" for k, v in parse(pytensor_flags).items()
-                      if "compiledir" in k), None)
-        where = named or f"{os.path.join(os.path.expanduser('~'), '.pytensor')}, under HOME"
-        why = e.strerror if isinstance(e, OSError) else "it cannot be created"
-        hint = "" if named else ": set HOME, or PYTENSOR_FLAGS=base_compiledir=FOLDER"
-        print(f"{script}: error: PyTensor cannot keep its compiled code in {where} ({why}){hint}",
-              file=sys.stderr)
-        sys.exit(2)
+    check_compiledir(pytensor, pytensor_flags, script)
     if "floatX" not in parse(pytensor_flags):
         # the default, set here rather than in the flags that child
         # processes inherit, where it would override their own THEANO_FLAGS

@@ -82,9 +82,9 @@ def usable_gpus():
     return len(peers), why
 
 
-def choose_devices(requested, nodes=1):
-    """The devices of this node's workers; at least two workers in the whole
-    run (a machine of one GPU is one node of several: ``--nodes``)."""
+def check_device_names(requested, nodes):
+    """At least two workers in the whole run, each device a GPU index or
+    'cpu', all of one kind."""
     if len(requested) * nodes == 1:
         raise UsageError("give at least two devices (e.g. '0 1' or 'cpu cpu'), or one on "
                          "each of several machines (--nodes)")
@@ -93,6 +93,12 @@ def choose_devices(requested, nodes=1):
             raise UsageError(f"unknown device '{dev}': a device is a GPU index or 'cpu'")
     if len({dev == "cpu" for dev in requested}) > 1:
         raise UsageError("all workers run on GPUs or all on the CPU, not a mix")
+
+
+def choose_devices(requested, nodes=1):
+    """The devices of this node's workers; at least two workers in the whole
+    run (a machine of one GPU is one node of several: ``--nodes``)."""
+    check_device_names(requested, nodes)
     if requested and requested[0] == "cpu":
         return requested, None
     count, why = usable_gpus()
@@ -129,7 +135,22 @@ COORDINATOR_SOCKET = "coordinator.sock"
 def check_exchange(args, world, gpus):
     """Resolve --exchange, --sync, --avg and --staged; returns the notices."""
     shared = len(set(args.devices)) < len(args.devices)  # GPUs; CPU workers always share
-    exchange_asked, staged_asked = args.exchange, args.staged
+    exchange_asked, sync_asked, staged_asked = args.exchange, args.sync, args.staged
+    choose_exchange(args, world, gpus, shared)
+    notices = around_missing_peer_access(args, world, exchange_asked) \
+        if gpus and args.exchange == "p2p" and not shared else []
+    if args.exchange == "xla":
+        check_xla(args, gpus, shared)
+        return notices
+    choose_sync_and_avg(args, gpus)
+    if gpus:
+        notices += host_ordering(args, world, shared, sync_asked, staged_asked)
+    return notices
+
+
+def choose_exchange(args, world, gpus, shared):
+    """--exchange by default: p2p on one machine for two workers, CPUs, or
+    workers sharing GPUs; else xla."""
     if args.exchange is None:
         # measured: on CPUs the host-ordered exchange beats gloo's all-reduce at 2, 3 and 4
         # workers (bench/results/scaling_cpu.json); GPUs past two stay on NCCL until measured
@@ -138,32 +159,42 @@ def check_exchange(args, world, gpus):
     if args.exchange == "p2p" and args.nodes > 1:
         raise UsageError("--exchange p2p joins the workers of one machine: use --exchange xla "
                          "on several machines")
-    notices = []
-    if gpus and args.exchange == "p2p" and not shared:
-        used = list(map(int, args.devices))
-        pair = next(((a, b) for a, b in itertools.combinations(used, 2)
-                     if not peer_access(a, b)), None)
-        if pair and world > 2 and not exchange_asked and not (args.sync or args.avg):
-            args.exchange = "xla"
-            notices.append(f"notice: GPUs {pair[0]} and {pair[1]} cannot reach each other's "
-                           "memory: the workers average with --exchange xla")
-        elif pair and not args.staged:
-            args.staged = True
-            notices.append(f"warning: GPUs {pair[0]} and {pair[1]} cannot access each other's "
-                           "memory: the weights go through host memory (slower, same numbers)")
-    if args.exchange == "xla":
-        if args.sync or args.avg or args.staged:
-            raise UsageError("--sync, --avg and --staged choose how --exchange p2p works; "
-                             "--exchange xla averages inside the compiled step")
-        if importlib.util.find_spec("jax") is None:
-            raise UsageError("--exchange xla needs JAX: pip install jax")
-        if gpus and shared:
-            raise UsageError("--exchange xla needs a different GPU for every worker")
-        return notices
+
+
+def around_missing_peer_access(args, world, exchange_asked):
+    """Two GPUs of the run that cannot read each other's memory: past two
+    workers, and where nothing of p2p's was asked for, xla; else the weights
+    through host memory (--staged).  Returns the notices."""
+    used = list(map(int, args.devices))
+    pair = next(((a, b) for a, b in itertools.combinations(used, 2)
+                 if not peer_access(a, b)), None)
+    if pair and world > 2 and not exchange_asked and not (args.sync or args.avg):
+        args.exchange = "xla"
+        return [f"notice: GPUs {pair[0]} and {pair[1]} cannot reach each other's memory: the "
+                "workers average with --exchange xla"]
+    if pair and not args.staged:
+        args.staged = True
+        return [f"warning: GPUs {pair[0]} and {pair[1]} cannot access each other's memory: "
+                "the weights go through host memory (slower, same numbers)"]
+    return []
+
+
+def check_xla(args, gpus, shared):
+    if args.sync or args.avg or args.staged:
+        raise UsageError("--sync, --avg and --staged choose how --exchange p2p works; "
+                         "--exchange xla averages inside the compiled step")
+    if importlib.util.find_spec("jax") is None:
+        raise UsageError("--exchange xla needs JAX: pip install jax")
+    if gpus and shared:
+        raise UsageError("--exchange xla needs a different GPU for every worker")
+
+
+def choose_sync_and_avg(args, gpus):
+    """--sync by default: gpu on GPUs, host on CPUs (its only way); --avg:
+    theano on GPUs, pycuda on CPUs."""
     if args.staged and not gpus:
         raise UsageError("--staged moves GPU workers' weights through host memory: CPU "
                          "workers' weights are in host memory already")
-    sync_asked = args.sync
     if args.sync is None:
         args.sync = "gpu" if gpus else "host"
     if args.sync == "gpu" and not gpus:
@@ -174,19 +205,22 @@ def check_exchange(args, world, gpus):
     # measured: on CPUs the mean read where the workers summed it is the fastest
     # (bench/results/compare_cpu.json); on GPUs the 2014 default
     args.avg = args.avg or ("theano" if gpus else "pycuda")
-    if not gpus:
-        return notices
+
+
+def host_ordering(args, world, shared, sync_asked, staged_asked):
+    """GPUs the GPU-ordered exchange cannot join peer to peer (shared, or
+    through host memory) are ordered by the host, unless --sync gpu was asked
+    for on one shared GPU (time-sliced: for testing).  Returns the notices."""
     why = (("both workers share one GPU" if world == 2 else "workers share a GPU") if shared
            else "--staged" if staged_asked else "no peer access" if args.staged else None)
     if args.sync == "gpu" and shared and sync_asked and not args.staged:
-        notices.append(f"notice: {world} workers on GPU {args.devices[0]}: the GPU-ordered "
-                       "exchange runs there time-sliced, each worker's kernel waiting for the "
-                       "others' turns; correct, and slow: for testing where one GPU is all "
-                       "there is")
-    elif args.sync == "gpu" and why:
+        return [f"notice: {world} workers on GPU {args.devices[0]}: the GPU-ordered exchange "
+                "runs there time-sliced, each worker's kernel waiting for the others' turns; "
+                "correct, and slow: for testing where one GPU is all there is"]
+    if args.sync == "gpu" and why:
         args.sync = "host"
-        notices.append(f"notice: the exchange is ordered by the host (--sync host): {why}")
-    return notices
+        return [f"notice: the exchange is ordered by the host (--sync host): {why}"]
+    return []
 
 
 def check_nodes(args):
@@ -765,10 +799,10 @@ def run_folder(args, shapes):
 
 def launch(args, shapes, start, rundir, link):
     """Fork the workers (each runs ``start(INDEX, LAUNCHER_PID, RUN_FOLDER)``),
-    then make the run folder and leave
-    the request there, and watch them and the other nodes (``link``); if a
-    worker fails or stops running, or another node does, or node 0 orders
-    the run to start again, stop the others at once.  Returns (the exit
+    then make the run folder and leave the request there, and watch them and
+    the other nodes (``link``); if a worker fails or stops running, or
+    another node does, or node 0 orders the run to start again, stop the
+    others at once.  Returns (the exit
     code, the traceback of a worker that failed unexpectedly, what failed
     in one line: None where the run ended, or said why itself; whether a
     node was lost, or ended for good).
@@ -782,15 +816,10 @@ def launch(args, shapes, start, rundir, link):
     someone else's, and is left as it is."""
     cli.install_stop_handler(request_stop)
     files.keep_descriptors()
-    workers, n_local, made = [], len(args.devices), False
+    made = False
     Worker.quiet = False
     try:
-        preload()
-        for i, dev in enumerate(args.devices):
-            workers.append(Worker(start, i, args.node_rank * n_local + i, dev, rundir, n_local,
-                                  args.one_machine))
-        for w in workers:  # once every fork is done: no thread of ours to fork beside
-            w.pump.start()
+        workers = fork_workers(args, start, rundir)
         fault_point("launcher", "spawned")
         try:
             files.make_folder(rundir)
@@ -801,78 +830,13 @@ def launch(args, shapes, start, rundir, link):
             return 1, "", None, False
         made = True
         fault_point("launcher", "folder")
-        request = os.path.join(rundir, "config.json")
-        try:
-            if args.resume:  # the version check_resume checked, in the run's own folder
-                args.resume_copy = os.path.join(rundir, "resume.npz")
-                with files.new_file(args.resume_copy) as f:
-                    f.write(args.checked_resume)
-            # the data set as check_request read and checked it, whatever the file holds now
-            args.dataset_copy = os.path.join(rundir, datasets.RUN_COPY)
-            with files.new_file(args.dataset_copy) as f:
-                datasets.write_run_copy(f, args.checked_data)
-            # whole or not at all: the workers read it
-            with files.new_file(request + ".part", text=True) as f:
-                json.dump({k: v for k, v in vars(args).items()
-                           if k not in ("checked_resume", "checked_data")}, f)
-            os.replace(request + ".part", request)
-        except FileNotFoundError:
-            cli.say(f"error: the run folder {rundir} was removed as the run started (a cleaner "
-                    "of temporary files?)", file=sys.stderr)
+        problem = leave_the_request(args, rundir)
+        if problem:
+            cli.say(f"error: {problem}", file=sys.stderr)
             return 1, "", None, False
-        except OSError as e:
-            if e.errno not in files.NO_ROOM:
-                raise
-            cli.say(f"error: {files.no_room(e, rundir)}", file=sys.stderr)
-            return 1, "", None, False
-        patience = stall_patience(args.timeout)
-        while not stopping.is_set():
-            codes = [w.proc.poll() for w in workers]
-            if all(code == 0 for code in codes):
-                link.tell("done")
-                return 0, "", None, False
-            failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
-            stalled = [w for w, code in zip(workers, codes)
-                       if code is None and w.stalled(rundir, patience)]
-            verdict, order = link.verdict(), link.ordered()
-            if order:  # node 0 starts the run again: another node failed
-                left = stop(workers)
-                return 1, "", f"{order['why']}{unkillable(left)}", False
-            if not (failed or stalled or verdict):
-                time.sleep(0.05)
-                continue
-            at = position(rundir, workers[0].rank)
-            left = stop(workers)
-            # the cause first: a worker killed by a signal, then one that said what went
-            # wrong in our own words; the others' errors may only follow from theirs
-            failed.sort(key=lambda w: (w.proc.returncode > 0, not w.said_why()))
-            if any(w.proc.returncode == 128 + signal.SIGPIPE for w in failed):
-                return 128 + signal.SIGPIPE, "", None, False  # stdout was closed: end as quietly
-            if failed and all(w.proc.returncode in (130, 143) for w in failed) and not verdict:
-                stopping.signum = failed[0].proc.returncode - 128  # Ctrl-C reached them first
-                break
-            if failed and not (verdict or stalled) and link.others and \
-                    failed[0].proc.returncode > 0 and not failed[0].said_why():
-                # a collective that broke under us: did another node fail or go first?
-                deadline = time.monotonic() + LOST_AFTER + 1
-                while not (verdict or link.ordered()) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    verdict = link.verdict()
-                if link.ordered():
-                    return 1, "", link.ordered()["why"], False
-            trace = ""
-            if verdict:
-                why = verdict
-            elif stalled:
-                w = stalled[0]
-                why = f"worker {w.rank} (device {w.dev}) stopped: silent for {patience:g} s"
-            else:
-                w = failed[0]
-                trace, cause = w.cause()
-                why = f"worker {w.rank} (device {w.dev}) failed: {cause}"
-            at = "" if " at epoch " in why else at  # another node's word says where already
-            return 2 if Worker.BAD_INPUT in why else 1, trace, f"{why}{at}{unkillable(left)}", \
-                bool(verdict) and link.gone()
+        ended = watch(workers, rundir, link, stall_patience(args.timeout))
+        if ended:
+            return ended
         left = stop(workers)
         link.tell("failed", f"interrupted ({signal.Signals(stopping.signum).name})", final=True)
         cli.say(f"interrupted ({signal.Signals(stopping.signum).name})"
@@ -883,6 +847,109 @@ def launch(args, shapes, start, rundir, link):
         if why:
             cli.say(f"error: the run folder {rundir} could not be removed ({why}): remove it "
                     "by hand", file=sys.stderr)
+
+
+def fork_workers(args, start, rundir):
+    """A worker for each of this node's devices, forked from here."""
+    preload()
+    n_local, workers = len(args.devices), []
+    for i, dev in enumerate(args.devices):
+        workers.append(Worker(start, i, args.node_rank * n_local + i, dev, rundir, n_local,
+                              args.one_machine))
+    for w in workers:  # once every fork is done: no thread of ours to fork beside
+        w.pump.start()
+    return workers
+
+
+def leave_the_request(args, rundir):
+    """The run's request in its folder, for the workers: the checkpoint to
+    resume and the data set as ``check_request`` read and checked them
+    (whatever the files hold now), and ``config.json``, whole or not at
+    all.  Returns what went wrong, in one line, or None."""
+    request = os.path.join(rundir, "config.json")
+    try:
+        if args.resume:
+            args.resume_copy = os.path.join(rundir, "resume.npz")
+            with files.new_file(args.resume_copy) as f:
+                f.write(args.checked_resume)
+        args.dataset_copy = os.path.join(rundir, datasets.RUN_COPY)
+        with files.new_file(args.dataset_copy) as f:
+            datasets.write_run_copy(f, args.checked_data)
+        with files.new_file(request + ".part", text=True) as f:
+            json.dump({k: v for k, v in vars(args).items()
+                       if k not in ("checked_resume", "checked_data")}, f)
+        os.replace(request + ".part", request)
+    except FileNotFoundError:
+        return f"the run folder {rundir} was removed as the run started (a cleaner of " \
+            "temporary files?)"
+    except OSError as e:
+        if e.errno not in files.NO_ROOM:
+            raise
+        return files.no_room(e, rundir)
+    return None
+
+
+def watch(workers, rundir, link, patience):
+    """Until the workers all end well, or one fails or stops running, or
+    another node is lost, or node 0 orders the run to start again: the
+    launch's result (``launch``); None once the run is asked to stop."""
+    while not stopping.is_set():
+        codes = [w.proc.poll() for w in workers]
+        if all(code == 0 for code in codes):
+            link.tell("done")
+            return 0, "", None, False
+        failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
+        stalled = [w for w, code in zip(workers, codes)
+                   if code is None and w.stalled(rundir, patience)]
+        verdict, order = link.verdict(), link.ordered()
+        if order:  # node 0 starts the run again: another node failed
+            left = stop(workers)
+            return 1, "", f"{order['why']}{unkillable(left)}", False
+        if failed or stalled or verdict:
+            return what_failed(workers, failed, stalled, verdict, link, rundir, patience)
+        time.sleep(0.05)
+    return None
+
+
+def what_failed(workers, failed, stalled, verdict, link, rundir, patience):
+    """Stop the workers, and say what failed first, where (the launch's
+    result); None where Ctrl-C reached the workers first."""
+    at = position(rundir, workers[0].rank)
+    left = stop(workers)
+    # the cause first: a worker killed by a signal, then one that said what went
+    # wrong in our own words; the others' errors may only follow from theirs
+    failed.sort(key=lambda w: (w.proc.returncode > 0, not w.said_why()))
+    if any(w.proc.returncode == 128 + signal.SIGPIPE for w in failed):
+        return 128 + signal.SIGPIPE, "", None, False  # stdout was closed: end as quietly
+    if failed and all(w.proc.returncode in (130, 143) for w in failed) and not verdict:
+        stopping.signum = failed[0].proc.returncode - 128  # Ctrl-C reached them first
+        return None
+    if failed and not (verdict or stalled) and link.others and \
+            failed[0].proc.returncode > 0 and not failed[0].said_why():
+        verdict = another_nodes_word(link)  # a collective that broke under us
+        if link.ordered():
+            return 1, "", link.ordered()["why"], False
+    trace, why = "", verdict
+    if not verdict and stalled:
+        why = f"worker {stalled[0].rank} (device {stalled[0].dev}) stopped: silent for " \
+            f"{patience:g} s"
+    elif not verdict:
+        trace, cause = failed[0].cause()
+        why = f"worker {failed[0].rank} (device {failed[0].dev}) failed: {cause}"
+    at = "" if " at epoch " in why else at  # another node's word says where already
+    return 2 if Worker.BAD_INPUT in why else 1, trace, f"{why}{at}{unkillable(left)}", \
+        bool(verdict) and link.gone()
+
+
+def another_nodes_word(link):
+    """Did another node fail or go first?  Its word (``link.verdict``) or
+    node 0's order, once either comes, within the time a node is lost in."""
+    deadline = time.monotonic() + LOST_AFTER + 1
+    verdict = link.verdict()
+    while not (verdict or link.ordered()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        verdict = link.verdict()
+    return verdict
 
 
 def stall_patience(timeout):
@@ -933,19 +1000,25 @@ def supervise(args, shapes, start, rundir, link):
         old, (rundir, _) = rundir, run_folder(args, shapes)
         if order:
             link.restart(order["generation"])
-            continue
-        if args.jax_coordinator == private_coordinator(old):
-            args.jax_coordinator = private_coordinator(rundir)
-        elif args.nodes > 1:  # a new port: the last one's may linger
-            host = host_and_port(args.coordinator)[0]
-            args.jax_coordinator = f"{host}:{free_port(host)}"
-        if args.nodes > 1:
-            link.order_restart(restart, why, args.jax_coordinator, args.resume_epoch,
-                               args.checked_resume if args.resume else None)
+        else:
+            order_restart(args, link, restart, why, old, rundir)
     if why is not None:
         link.tell("failed", why, final=True)
         cli.say(f"{trace}error: {why}{resume_hint(args, shapes)}", file=sys.stderr)
     return code
+
+
+def order_restart(args, link, restart, why, old, rundir):
+    """Node 0's restart: JAX's coordinator where the new run folder is, or
+    at a new port (the last one's may linger); the other nodes told."""
+    if args.jax_coordinator == private_coordinator(old):
+        args.jax_coordinator = private_coordinator(rundir)
+    elif args.nodes > 1:
+        host = host_and_port(args.coordinator)[0]
+        args.jax_coordinator = f"{host}:{free_port(host)}"
+    if args.nodes > 1:
+        link.order_restart(restart, why, args.jax_coordinator, args.resume_epoch,
+                           args.checked_resume if args.resume else None)
 
 
 def restart_point(args, shapes):

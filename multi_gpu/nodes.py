@@ -343,7 +343,8 @@ class Lobby(Heartbeats):
         now, and the checkpoint's bytes (None: from the first epoch), which
         the other machines may not hold."""
         self.restart(generation)
-        why = why if why.startswith("node ") else f"node 0 ({host_and_port(self.address)[0]}): {why}"
+        if not why.startswith("node "):
+            why = f"node 0 ({host_and_port(self.address)[0]}): {why}"
         order = dict(generation=generation, why=why, jax_coordinator=jax_coordinator,
                      resume_epoch=resume_epoch, checkpoint=checkpoint and
                      base64.b64encode(checkpoint).decode())

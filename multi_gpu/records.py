@@ -107,6 +107,36 @@ def members(zipped, name, limit):
                               "bytes, more than any checkpoint of this model")
 
 
+def check_weights(path, names, arrays, shapes):
+    """Each array the ``shape`` of its parameter, and finite."""
+    for name, v, shape in zip(names, arrays, shapes):
+        if v.shape != tuple(shape):
+            raise CheckpointError(f"{path}: {name} has shape {v.shape}, the model "
+                                  f"{tuple(shape)} (another --n-hidden?)")
+        if v.dtype.kind != "f" or not np.isfinite(v).all():
+            raise CheckpointError(f"{path}: {name} holds no finite weights (a run that "
+                                  "diverged?)")
+
+
+def state_values(path, saved):
+    """The training state's arrays, each of its type, as Python values (the
+    config a JSON object)."""
+    for k, v in saved.items():
+        ndim, kinds = STATE_TYPES.get(k, (v.ndim, v.dtype.kind))
+        if v.ndim != ndim or v.dtype.kind not in kinds:
+            raise CheckpointError(f"{path}: {k} is a {v.ndim}-d array of {v.dtype}: not a "
+                                  "checkpoint this script wrote")
+    values = {k: v.item() if v.ndim == 0 else v.tolist() for k, v in saved.items()}
+    if "config" in values:
+        try:
+            values["config"] = json.loads(values["config"])
+        except ValueError:
+            raise CheckpointError(f"{path}: its config is not JSON") from None
+        if not isinstance(values["config"], dict):
+            raise CheckpointError(f"{path}: its config is not a JSON object")
+    return values
+
+
 def load_checkpoint(path, shapes, state=("epoch",), raw=None):
     """Read a checkpoint written by ``save_checkpoint`` for a model whose
     parameters have ``shapes`` (from its bytes ``raw`` when given, else from
@@ -133,26 +163,8 @@ def load_checkpoint(path, shapes, state=("epoch",), raw=None):
                               + (" (mlp.py --save writes a final model, not a training state)"
                                  if training and names[0] in saved else ""))
     arrays = [saved.pop(k) for k in names]
-    for name, v, shape in zip(names, arrays, shapes + shapes):
-        if v.shape != tuple(shape):
-            raise CheckpointError(f"{path}: {name} has shape {v.shape}, the model "
-                                  f"{tuple(shape)} (another --n-hidden?)")
-        if v.dtype.kind != "f" or not np.isfinite(v).all():
-            raise CheckpointError(f"{path}: {name} holds no finite weights (a run that "
-                                  "diverged?)")
-    for k, v in saved.items():
-        ndim, kinds = STATE_TYPES.get(k, (v.ndim, v.dtype.kind))
-        if v.ndim != ndim or v.dtype.kind not in kinds:
-            raise CheckpointError(f"{path}: {k} is a {v.ndim}-d array of {v.dtype}: not a "
-                                  "checkpoint this script wrote")
-    values = {k: v.item() if v.ndim == 0 else v.tolist() for k, v in saved.items()}
-    if "config" in values:
-        try:
-            values["config"] = json.loads(values["config"])
-        except ValueError:
-            raise CheckpointError(f"{path}: its config is not JSON") from None
-        if not isinstance(values["config"], dict):
-            raise CheckpointError(f"{path}: its config is not a JSON object")
+    check_weights(path, names, arrays, shapes + shapes)
+    values = state_values(path, saved)
     if "validation_errors" in state and len(values["validation_errors"]) != values["epoch"]:
         raise CheckpointError(f"{path}: {len(values['validation_errors'])} validation errors "
                               f"for {values['epoch']} epochs: not a consistent checkpoint")
@@ -250,7 +262,7 @@ def write_json_or_show(path, document, speaker):
         print(f"{speaker}: error: could not write {path} ({e.strerror}); the summary follows on "
               "stdout", file=sys.stderr)
         print(json.dumps(document, indent=2))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 LOCK_TAG = b"dual_mlp lock, pid "  # what a lock file this demo made starts with

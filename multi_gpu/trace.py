@@ -431,7 +431,7 @@ def main(argv=None):
         parser.error(str(e))
     except OSError as e:
         raise SystemExit(f"python -m multi_gpu.trace: error: cannot write {picture}: "
-                         f"{e.strerror or e}")
+                         f"{e.strerror or e}") from None
 
 
 if __name__ == "__main__":

@@ -326,7 +326,7 @@ def finish(proc, timeout):
     except Exception:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise AssertionError(f"launcher still running after {timeout} s")
+        raise AssertionError(f"launcher still running after {timeout} s") from None
     return proc.returncode, time.monotonic() - start, err
 
 

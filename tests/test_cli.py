@@ -16,8 +16,8 @@ import pytest
 
 import mlp
 from multi_gpu import cli, records
-from conftest import (LAUNCHERS, SHAPES, ROOT, dual, environment, finish, interrupted, refused, script,
-                      start_checkpointing, wait_for)
+from conftest import (LAUNCHERS, SHAPES, ROOT, dual, environment, finish, interrupted, refused,
+                      script, start_checkpointing, wait_for)
 
 
 @contextlib.contextmanager
@@ -175,8 +175,8 @@ def test_a_signal_at_any_moment_of_start_up_gives_no_traceback(name, no_leftover
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True, env=environment())
         LAUNCHERS.add(proc.pid)
-        wait_for(lambda: "_multiarray_umath" in Path(f"/proc/{proc.pid}/maps").read_text(), 60,
-                 "NumPy to load")
+        maps = Path(f"/proc/{proc.pid}/maps")
+        wait_for(lambda maps=maps: "_multiarray_umath" in maps.read_text(), 60, "NumPy to load")
         time.sleep(delay)
         os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C reaches the whole group
         out, err = proc.communicate(timeout=30)

@@ -170,7 +170,7 @@ class Declared:
 def test_an_array_larger_than_its_file_is_refused_before_it_is_copied(tmp_path):
     (tx, ty), valid, test = splits()
     rows = 10 ** 5  # 313 MB as float32, from a file of kilobytes
-    for name, images in [("zero strides", Declared((rows, 784), np.dtype(np.float32),
+    for _name, images in [("zero strides", Declared((rows, 784), np.dtype(np.float32),
                                                    b"\0" * 4, 0, (0, 0))),
                          ("a shape alone", Declared((rows, 784), np.dtype(np.float32)))]:
         path = tmp_path / "big.pkl.gz"

@@ -105,7 +105,7 @@ def bad_requests(tmp_path):
         yield ["cpu", "cpu", option, "0"], f"argument {option}: must be a positive integer"
     yield ["cpu", "cpu", "--learning-rate", "-0.1"], "argument --learning-rate: must be a positive"
     yield ["cpu", "cpu", "--epochs", "ten"], "argument --epochs: not a number: ten"
-    for name, (path, words) in corrupt_cases(tmp_path).items():
+    for path, words in corrupt_cases(tmp_path).values():
         yield ["cpu", "cpu", "--dataset", path], words
     yield ["cpu", "cpu", "--resume", tmp_path / "none.npz"], "checkpoint not found"
     (tmp_path / "junk.npz").write_bytes(b"junk")

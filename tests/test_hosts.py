@@ -52,7 +52,7 @@ def readme_commands(hosts):
     text = (ROOT / "README.md").read_text()
     block = re.search(r"# machine A \(10\.0\.0\.1\).*?```", text, re.S).group(0)
     commands = []
-    for line, host in zip([l for l in block.splitlines() if "python dual_mlp.py" in l], hosts):
+    for line, host in zip([c for c in block.splitlines() if "python dual_mlp.py" in c], hosts):
         line = line.replace("10.0.0.1", hosts[0].address).replace("eth0", host.interface)
         env, _, args = line.partition("python dual_mlp.py ")
         commands.append((dict(w.split("=", 1) for w in shlex.split(env)), shlex.split(args)))
@@ -61,8 +61,8 @@ def readme_commands(hosts):
 
 def read_secret(node0):
     """The secret node 0 prints, as a user reads it off its terminal."""
-    line = wait_for(lambda: next((l for l in iter(node0.stdout.readline, "")
-                                  if "DUAL_MLP_SECRET=" in l), None), 60, "the run's secret")
+    line = wait_for(lambda: next((line for line in iter(node0.stdout.readline, "")
+                                  if "DUAL_MLP_SECRET=" in line), None), 60, "the run's secret")
     return line.split("DUAL_MLP_SECRET=")[1].split()[0]
 
 
@@ -92,8 +92,8 @@ def run_on_hosts(folder):
         env1["DUAL_MLP_SECRET"] = read_secret(whole0)
         whole1 = start_dual(*args1, *same, env=env1, host=pairs["whole"][1], cwd=folder)
         # the others once it has compiled: they read its programs from XLA's cache
-        wait_for(lambda: next((l for l in iter(whole0.stdout.readline, "")
-                               if l.startswith("... training")), None), 120, "training")
+        wait_for(lambda: next((line for line in iter(whole0.stdout.readline, "")
+                               if line.startswith("... training")), None), 120, "training")
         struck = {}
         for name in FAULTS:
             h = pairs[name]

@@ -196,9 +196,9 @@ def test_the_one_machine_coordinator_is_out_of_other_users_reach(no_leftovers, n
     address = ("--coordinator", f"127.0.0.1:{free_port()}") if named else ()
     proc = start_dual("cpu", "cpu", "--exchange", "xla", "--epochs", 3, *address)
     try:
-        said = wait_for(lambda: next((l for l in iter(proc.stdout.readline, "")
-                                      if l.startswith(("notice: --coordinator", "... training"))),
-                                     None), 60, "training")
+        said = wait_for(lambda: next((
+            line for line in iter(proc.stdout.readline, "")
+            if line.startswith(("notice: --coordinator", "... training"))), None), 60, "training")
         assert said.startswith("notice: --coordinator 127.0.0.1:") == named, said
         _, folder = workers_and_run_folder(proc)
         coordinator = os.path.join(folder, "coordinator.sock")

@@ -79,7 +79,7 @@ def test_no_worker_leaves_a_barrier_before_the_last_one_arrived(traced):
     later worker, where it waited, is where it arrived)."""
     by_worker = spans(traced[1])
     barriers = collections.defaultdict(list)  # (step, which signal) -> [(arrived, left)]
-    for worker, events in by_worker.items():
+    for events in by_worker.values():
         count = collections.Counter()
         for i, e in enumerate(events):
             if e["name"] == "signal":

@@ -104,8 +104,8 @@ def meet_and_train(folder):
                        env={"DUAL_MLP_SECRET": ""})
     seen, before, idle = {"port": port}, run_directories(), []
     try:
-        line = wait_for(lambda: next((l for l in iter(node0.stdout.readline, "")
-                                      if "the run's secret" in l), None), 60, "the secret")
+        line = wait_for(lambda: next((line for line in iter(node0.stdout.readline, "")
+                                      if "the run's secret" in line), None), 60, "the secret")
         seen["secret"] = secret = line.split("DUAL_MLP_SECRET=")[1].split()[0]
         launcher = psutil.Process(node0.pid)
         wait_for(lambda: any(c.laddr.port == port for c in launcher.net_connections("tcp")
