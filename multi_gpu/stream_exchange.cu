@@ -6,8 +6,6 @@
 // The sizes come from there as -D options, the same on every GPU:
 // MAX_WORKERS, MAX_SEGMENTS (the most parameters), GRID and BLOCK (block b of
 // every GPU handles the same elements).
-#include <cstddef>  // offsetof
-
 #if !defined(MAX_WORKERS) || !defined(MAX_SEGMENTS) || !defined(GRID) || !defined(BLOCK)
 #error "compile with stream_exchange.kernel_options(): -DMAX_WORKERS=.. -DMAX_SEGMENTS=.. -DGRID=.. -DBLOCK=.."
 #endif
@@ -62,19 +60,6 @@ struct Stamp {
     unsigned long long seen, written;        // every worker's flag seen; the mean written
     int last;                                // the worker whose flag block 0 saw last
     int step;
-};
-
-// Every struct the host mirrors, as this compiler lays it out: each one's
-// size, then its fields' offsets, in order.  stream_exchange.py checks its
-// ctypes and NumPy mirrors against it as it loads the module (mirror_problem).
-__device__ unsigned long long layouts[] = {
-    sizeof(Peers), offsetof(Peers, send), offsetof(Peers, flags),
-    sizeof(Segments), offsetof(Segments, data), offsetof(Segments, gradient),
-    offsetof(Segments, start), offsetof(Segments, length), offsetof(Segments, width),
-    offsetof(Segments, chunks_end), offsetof(Segments, count),
-    sizeof(Stamp), offsetof(Stamp, begin), offsetof(Stamp, published),
-    offsetof(Stamp, signalled), offsetof(Stamp, seen), offsetof(Stamp, written),
-    offsetof(Stamp, last), offsetof(Stamp, step),
 };
 
 // The GPU's own clock: nanoseconds, the same for every block of a GPU.

@@ -155,30 +155,6 @@ STAMP = np.dtype([("begin", np.uint64), ("published", np.uint64), ("signalled", 
                   ("step", np.int32)])
 
 
-def mirror_layouts():
-    """What the host's mirrors of ``KERNELS``' structs say of their layout,
-    in the order of its ``layouts``: [(name, bytes)], each struct's size,
-    then its fields' offsets."""
-    found = []
-    for struct in (Peers, Segments):
-        found += [(struct.__name__, ctypes.sizeof(struct))] + [
-            (f"{struct.__name__}.{name}", getattr(struct, name).offset)
-            for name, _ in struct._fields_]
-    return found + [("Stamp", STAMP.itemsize)] + [(f"Stamp.{name}", STAMP.fields[name][1])
-                                                  for name in STAMP.names]
-
-
-def mirror_problem(compiled):
-    """Where a mirror differs from the compiled struct (``compiled``: the
-    module's ``layouts``), which a field changed on one side alone would
-    make memory corruption; None where every size and offset agrees."""
-    mirrored = mirror_layouts()
-    if len(compiled) != len(mirrored):
-        return f"{KERNELS} lays out {len(compiled)} sizes and offsets, its mirrors {len(mirrored)}"
-    return next((f"{name}: {c} bytes in {KERNELS} (size, or offset), {m} in its mirror here"
-                 for (name, m), c in zip(mirrored, compiled) if c != m), None)
-
-
 def slot_floats(n):
     """Floats in one send slot: the weights, rounded up to 128 bytes so that
     both slots start aligned."""
@@ -224,12 +200,6 @@ class StreamExchange:
         self._module = checked(cu.cuModuleLoadData(self._image.ctypes.data))
         self._kernel = checked(cu.cuModuleGetFunction(self._module, b"exchange"))
         self._read_clock = checked(cu.cuModuleGetFunction(self._module, b"read_clock"))
-        address, size = checked(cu.cuModuleGetGlobal(self._module, b"layouts"))
-        compiled = np.zeros(size // 8, np.uint64)
-        drv.memcpy_dtoh(compiled, int(address))
-        problem = mirror_problem(compiled.tolist())
-        if problem:
-            raise RuntimeError(f"the GPU-ordered exchange's structs disagree: {problem}")
         flags_bytes = checked(cu.cuModuleGetGlobal(self._module, b"flags_size"))[1]
         self.slot = slot_floats(layout.size)
         self.send = drv.mem_alloc(2 * self.slot * layout.dtype.itemsize)
