@@ -10,7 +10,7 @@ twice.  The first run trains two epochs with ``--check``: every node's exit
 code and last line, the seconds from the start to node 0's first step, its
 step, and the replicas' largest difference.  The second is struck once node
 0 has trained its first epoch: the middle host's cable is cut, and for every
-other node, the seconds until it ended, its exit code and its last line.
+node, the seconds until it ended, its exit code and its last line.
 Writes ``many_hosts.json`` into ``--out`` (default: ``out/``).
 """
 import os
@@ -70,7 +70,7 @@ def whole_run(hosts, folder):
 
 def cut_run(hosts, folder):
     """The middle host's cable cut after node 0's first epoch: when, and how,
-    every other node ended."""
+    every other node ended, and the node cut off."""
     victim = len(hosts) // 2
     nodes = start_nodes(hosts, folder, "--epochs", "1000")
     try:
@@ -79,21 +79,22 @@ def cut_run(hosts, folder):
                 break
         hosts[victim].cut()
         struck, took, ends = time.monotonic(), {}, {}
-        while len(took) < len(hosts) - 1 and time.monotonic() < struck + 120:
+        while len(took) < len(hosts) and time.monotonic() < struck + 120:
             for rank, node in enumerate(nodes):
-                if rank != victim and rank not in took and node.poll() is not None:
+                if rank not in took and node.poll() is not None:
                     took[rank] = time.monotonic() - struck
             time.sleep(0.05)
-        for rank, node in enumerate(nodes):
-            if rank != victim:
-                ends[rank] = ended(node, 1)
+        ends = {rank: ended(node, 1) for rank, node in enumerate(nodes)}
     finally:
         for host in hosts:
-            host.signal(9)  # the victim, and any node that did not end
+            host.signal(9)  # any node that did not end
+    code, line, err = ends.pop(victim)
     return dict(victim=victim, victim_address=hosts[victim].address,
                 survivors=[dict(rank=rank, stopped_after_s=took.get(rank), exit_code=code,
                                 last_line=line, stderr=err)
-                           for rank, (code, line, err) in ends.items()])
+                           for rank, (code, line, err) in ends.items()],
+                cut_off=dict(stopped_after_s=took.get(victim), exit_code=code, last_line=line,
+                             stderr=err))
 
 
 def measure(n, folder):

@@ -32,7 +32,7 @@ def test_sixteen_hosts_of_one_worker_each_train_identical_replicas(runs):
 def test_a_cut_cable_among_sixteen_is_named_by_every_survivor_within_15_s(runs):
     """Node 0 and every other survivor stop within 15 s of the cut, exit 1, in
     one line that names the lost node and its address; none prints a
-    traceback or a runtime's abort."""
+    traceback or a runtime's abort (one line in all)."""
     cut = runs["cut"]
     lost = f"error: node {cut['victim']} ({cut['victim_address']}) lost: not heard from for"
     assert len(cut["survivors"]) == HOSTS - 1
@@ -41,3 +41,13 @@ def test_a_cut_cable_among_sixteen_is_named_by_every_survivor_within_15_s(runs):
         assert s["last_line"].startswith(lost), s
     assert all(len(s["stderr"].strip().splitlines()) == 1 for s in cut["survivors"]), \
         [s["stderr"] for s in cut["survivors"]]
+
+
+def test_the_host_cut_off_among_sixteen_names_node_0_and_ends(runs):
+    """The node behind the cut cable hears no one: it ends too, exit 1, in
+    one line that names node 0 lost, with no traceback or runtime abort."""
+    cut_off = runs["cut"]["cut_off"]
+    assert cut_off["exit_code"] == 1 and cut_off["stopped_after_s"] < 30, cut_off
+    assert cut_off["stderr"].strip().splitlines() == [cut_off["last_line"]], cut_off
+    assert cut_off["last_line"].startswith("error: node 0 (10.77.0.1) lost: not heard from"), \
+        cut_off
