@@ -98,7 +98,8 @@ import zmq
 
 import mlp
 from logistic_sgd import load_data
-from multi_gpu import cli, datasets, devices, files, launcher, nodes, records, report, trace
+from multi_gpu import (cli, datasets, devices, files, launcher, nodes, records, report, request,
+                       trace)
 from multi_gpu.devices import place, storage
 from multi_gpu.links import Layout, Peer, PeerError, XlaExchange
 from multi_gpu.trainer import (AHEAD, DeviceOrdered, StepClock, Trainer, averages_after,
@@ -674,18 +675,18 @@ def main(argv=None):
         cli.keep_going_without_readers()  # it will hold locks, folders, workers: release them
         try:
             shapes = mlp.parameter_shapes(datasets.N_PIXELS, args.n_hidden, datasets.N_CLASSES)
-            notices = launcher.check_request(args, shapes, BATCH_SIZE, SHIPPED_BATCH_SIZE,
+            notices = request.check_request(args, shapes, BATCH_SIZE, SHIPPED_BATCH_SIZE,
                                              STEPS_PER_CALL, EPOCHS)
             run.enter_context(records.hold(args.save, args.json, args.trace,
-                                           launcher.trace_picture(args.trace),
+                                           request.trace_picture(args.trace),
                                            room=records.checkpoint_bytes(shapes)))
             rundir, folder_notice = launcher.run_folder(args, shapes)
             if args.exchange == "xla" and not args.jax_coordinator and not args.node_rank:
-                args.jax_coordinator = launcher.private_coordinator(rundir)
+                args.jax_coordinator = request.private_coordinator(rundir)
             link, notice = nodes.meet(args, functools.partial(
-                launcher.differences, args.run_options, keys=launcher.RUN_OPTIONS), run)
+                request.differences, args.run_options, keys=request.RUN_OPTIONS), run)
             notices.append(notice)
-        except (launcher.UsageError, datasets.DatasetError, records.CheckpointError,
+        except (request.UsageError, datasets.DatasetError, records.CheckpointError,
                 nodes.NoAnswer) as e:
             cli.say(f"dual_mlp.py: error: {e}", file=sys.stderr)
             return 1 if isinstance(e, nodes.NoAnswer) else 2

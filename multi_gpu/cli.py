@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import difflib
 import gc
+import io
 import math
 import os
 import signal
@@ -69,6 +70,13 @@ def say(*words, file=None, **kw):
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, file.fileno())
             os.close(null)
+
+
+def text_stream(fd, like):
+    """A new, unbuffered text stream on ``fd``, written as ``like`` was."""
+    return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), line_buffering=True,
+                            write_through=True, encoding=getattr(like, "encoding", None),
+                            errors=getattr(like, "errors", None))
 
 
 def keep_going_without_readers():

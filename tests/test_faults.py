@@ -13,7 +13,7 @@ from conftest import (SHAPES, assert_identical_checkpoints, corrupt_cases, dual,
                       interrupted, kill_one_worker, refused, run_directories, run_once,
                       start_checkpointing, start_dual, wait_for, wait_until_training,
                       workers_of)
-from multi_gpu.launcher import usable_gpus
+from multi_gpu.request import usable_gpus
 
 
 @pytest.mark.parametrize("fault,cause", [
@@ -171,7 +171,7 @@ def test_a_resume_without_epochs_goes_on_to_the_epochs_its_run_asked_for(tmp_pat
     says so; one that finished what it asked goes to the default; --epochs
     given is what it says (the request as the launcher checks it)."""
     import dual_mlp
-    from multi_gpu import launcher
+    from multi_gpu import request
     ckpt = one_epoch_checkpoint(tmp_path / "m.npz")
     params, best, state = records.load_checkpoint(str(ckpt), SHAPES,
                                                   (*records.TRAINING_STATE, "config"))
@@ -186,7 +186,7 @@ def test_a_resume_without_epochs_goes_on_to_the_epochs_its_run_asked_for(tmp_pat
                                         f"{dual_mlp.EPOCHS}, the default (see --epochs)"),
             (stopped, ["--epochs", 5], 5, None)):
         args = dual_mlp.parse_args(["cpu", "cpu", "--resume", str(path), *map(str, given)])
-        notices = launcher.check_request(args, SHAPES, dual_mlp.BATCH_SIZE,
+        notices = request.check_request(args, SHAPES, dual_mlp.BATCH_SIZE,
                                          dual_mlp.SHIPPED_BATCH_SIZE, dual_mlp.STEPS_PER_CALL,
                                          dual_mlp.EPOCHS)
         assert args.epochs == epochs and args.trained_with["epochs"] == epochs

@@ -228,9 +228,9 @@ def test_every_option_is_compared_at_the_lobby_or_is_a_nodes_own():
     be given alike (compared at node 0's lobby, ``RUN_OPTIONS``) or a node's
     own (``NODE_OWN``); an option added without a class fails here."""
     import dual_mlp
-    from multi_gpu import launcher
+    from multi_gpu import request
     options = set(vars(dual_mlp.parse_args([])))
-    compared, own = set(launcher.RUN_OPTIONS), set(launcher.NODE_OWN)
+    compared, own = set(request.RUN_OPTIONS), set(request.NODE_OWN)
     assert not compared & own
     assert options - compared - own == set()
     assert own <= options  # the run options may be derived (workers in all, platform)
