@@ -8,75 +8,29 @@ of Guelph, 2014), on PyTensor, PyCUDA and pyzmq::
     python dual_mlp.py cpu cpu                                          # no GPU needed
     python dual_mlp.py 0 1 2 3                                          # four GPUs
 
-In 2014, two ``multiprocessing.Process`` children of one launcher each made a
-CUDA context of their own on their GPU and swapped, once, the CUDA IPC
-handles of their Theano parameters over a zmq PAIR socket on TCP port 5000
-(``send_pyobj``, ``recv_pyobj``).  Then, after every step of their own on
-alternate minibatches:
+The step, in 2014 and here (``HostOrdered.epoch``; README.md tells why each
+phase changed, and each change is told again where its code is)::
 
-  1. train    ``train_model(i)``: Theano updates the weights in place;
-  2. signal   ``this_queue.put(''); that_queue.get()``, on a pair of
-              ``multiprocessing.Queue(1)``: "my step is done";
-  3. copy     ``drv.memcpy_peer`` of each parameter, straight from the other
-              GPU's live weights into a shared variable here, and
-              ``ctx.synchronize()``;
-  4. signal   the queues again: "I have read yours";
-  5. average  a Theano function per parameter whose update is
-              ``(param + param_other) / 2``.
+    2014                                     here
+    1. train    train_model(i)               1. train    one SGD step, its own minibatch
+                                             2. publish  its weights into its send buffer
+    2. signal   this_queue.put(''); get()    3. signal   zmq: "published", to every worker
+    3. copy     drv.memcpy_peer, synchronize 4. copy     every send buffer, peer to peer
+    4. signal   the queues again             5. signal   zmq: "copied"
+    5. average  (param + param_other) / 2    6. average  the mean of all, in rank order
 
-This file is the launcher: it checks the request and forks one worker per
-device (``worker`` below, in a process of its own).  Worker k of N holds a full
-replica and trains on the minibatches whose index is k modulo N.  Between
-CPUs or the GPUs of one machine (``--exchange p2p``), each step has six
-phases, and ``HostOrdered.epoch`` below is that step, line for line:
+Worker k of N holds a full replica and trains on the minibatches whose index
+is k modulo N; after the average, the replicas have taken one SGD step on a
+minibatch N times the size.
 
-  1. train    one SGD step on its minibatch;
-  2. publish  copy its weights into its send buffer, whose address never moves;
-  3. signal   a zmq message "published" to every other worker; wait for theirs;
-  4. copy     read every send buffer (GPUs: peer-to-peer copies from CUDA IPC
-              buffers; CPUs: files mapped into every worker's memory);
-  5. signal   "copied": the others may overwrite their send buffers again;
-  6. average  set its weights to the mean of all, summed in rank order, so
-              that every replica gets the same bits.
-
-What changed since 2014, and why:
-
-* publish is new: JAX writes every step's weights into new buffers, where
-  Theano updated them in place, so a handle taken on the weights would be
-  stale after one step.  The handles are taken once on send buffers that
-  PyCUDA allocated.
-* the signals are zmq messages too, on the sockets that carried the
-  handles: the 2014 queues join the children of one process only, and a
-  zmq wait can time out, so a worker sees a peer that died.
-* ``ipc://`` sockets in a private run folder, not TCP port 5000 on every
-  interface: nothing to collide with, nothing another user can reach.
-* PyCUDA works in JAX's primary CUDA context, not a context of its own, so
-  that a pointer into a JAX array is valid for PyCUDA.
-* each worker is forked once JAX and PyTensor are imported, not started:
-  JAX's threads and CUDA do not survive a fork (2014 forked first, and
-  imported Theano in each child); each then sees its own GPU only.
-* N workers, not two: each reads every send buffer, its own included, and
-  sums them in rank order (2014: ``param + param_other`` on each side).
-* who orders the phases (``--sync``).  ``host``: the host waits for its
-  device after each phase, as in 2014; the only way on CPUs.  ``gpu``
-  (the default on GPUs): phases 2-6 are one kernel at the end of the
-  compiled step (multi_gpu/stream_exchange.cu), and the signals are
-  counters each GPU writes into the others' memory.  The kernel also applies
-  the SGD update as it publishes (left to XLA, the update would write every
-  weight once more just before the exchange reads it), and the host only
-  queues calls of K steps (``--steps-per-call``), running ahead while the
-  GPUs compute.
-
-Several machines, or more GPUs than two by default, average with
-``--exchange xla``: the compiled step ends in a ``pmean`` over all workers
-that JAX's distributed runtime runs (NCCL between GPUs, gloo between CPUs).
-
-Every replica then holds the same weights, and together they have taken one
-SGD step on a minibatch N times the size: the mean of N minibatch gradients
-is the gradient of their union's mean cost.
-
-This file is the lesson; the plumbing (checks, processes, sockets, data,
-records) is in the package ``multi_gpu/``, one named call away.
+The file, top to bottom: the configuration (2014's ``shared_args``); the
+transports (``CudaIpcTransport``, ``HostTransport`` for CPUs,
+``StagedCudaTransport``) and ``barrier``; the trainers: ``HostOrdered``
+(the step above, ``--sync host``), ``GpuOrdered`` (phases 2-6 as one kernel,
+``--sync gpu``), ``XlaOrdered`` (a ``pmean`` in the compiled step,
+``--exchange xla``); ``worker``, one process's run; ``main``, the launcher.
+The plumbing (checks, processes, sockets, data, records) is in the package
+``multi_gpu/``, one named call away.
 """
 import signal
 import sys
@@ -98,7 +52,7 @@ import zmq
 
 import mlp
 from logistic_sgd import load_data
-from multi_gpu import (cli, datasets, devices, files, launcher, nodes, records, report, request,
+from multi_gpu import (cli, datasets, devices, files, launcher, records, report, request,
                        trace)
 from multi_gpu.devices import place, storage
 from multi_gpu.links import Layout, Peer, PeerError, XlaExchange
@@ -118,6 +72,14 @@ SEED = 1234
 SHIPPED_BATCH_SIZE = 100   # the shipped 3,000 training digits hold no two minibatches of 5,000
 TIMEOUT = 120.0            # seconds a worker waits for the others before it reports them stalled
 STEPS_PER_CALL = 10        # steps in one compiled call (--sync gpu, xla), at most an epoch
+# the exchange's defaults, by hardware; --exchange: p2p on one machine for two workers, for
+# CPUs, or GPUs shared, else xla (request.check_exchange applies them, refusing what can't run)
+CHOICES = {
+    "sync": {"gpu": "gpu",      # the GPUs order phases 2-6, one kernel at the step's end
+             "cpu": "host"},    # the 2014 loop: the only way on CPUs
+    "avg": {"gpu": "theano",    # as in 2014: a compiled function whose updates are the means
+            "cpu": "pycuda"},   # in place: the mean the workers summed (HostTransport) read
+}                               # where it lies, no PyCUDA on a CPU; fastest (compare_cpu.json)
 
 
 # -----------------------------------------------------------------------------
@@ -131,7 +93,9 @@ class CudaIpcTransport:
     Every copy is a device-to-device copy on this GPU's stream, from the
     other GPU's memory (over NVLink where there is one), as 2014's
     ``memcpy_peer`` was.  The receive buffer is a JAX array, so the compiled
-    averaging function reads it directly."""
+    averaging function reads it directly.  PyCUDA works in JAX's primary CUDA
+    context (2014 made a context of its own), so that a pointer into a JAX
+    array is PyCUDA's too."""
 
     route = "CUDA IPC, peer to peer"
 
@@ -154,7 +118,9 @@ class CudaIpcTransport:
                         for w in range(len(handles))]
 
     def publish(self, values):
-        """My new weights into my send buffer."""
+        """My new weights into my send buffer.  New since 2014: Theano updated
+        its weights in place, and the handles were taken on them; JAX writes
+        each step's into new buffers, where a handle would go stale."""
         itemsize, stream = self.layout.dtype.itemsize, self.device.stream
         for offset, value in zip(self.layout.offsets, values):
             self.drv.memcpy_dtod_async(int(self.send) + offset * itemsize,
@@ -291,7 +257,9 @@ def barrier(peer):
     must be at the same one) and when its sender arrived, on the machine's
     monotonic clock: returns (the seconds this worker waited for the last to
     arrive, the last one's rank).  (``peer.ready`` waits, in slices, with the
-    run's --timeout.)"""
+    run's --timeout.)  2014 signalled through two ``multiprocessing.Queue(1)``,
+    which join the children of one process only and wait for ever; a zmq
+    wait times out, so a worker sees a peer that died."""
     peer.barriers += 1
     arrived, what = time.perf_counter(), f"barrier {peer.barriers}"
     for other, socket in peer.sockets.items():
@@ -332,8 +300,11 @@ class HostOrdered(Trainer):
         self.average = clock.timed("average", self.average_all)
 
     def handshake(self):
-        """Swap the send buffers' handles once (zmq), and open the others'."""
-        self.transport.connect(self.peer.exchange(self.transport.handle()))
+        """Swap the send buffers' handles once, as 2014's ``send_pyobj`` and
+        ``recv_pyobj`` did, and open the others'."""
+        mine = self.transport.handle()        # my send buffer's IPC handle (CPU: its file)
+        everyone = self.peer.exchange(mine)   # every worker's, in rank order, over zmq, once
+        self.transport.connect(everyone)      # open the others' (drv.IPCMemoryHandle)
         self.read_where_received()
 
     def epoch(self, n_steps):
@@ -360,7 +331,10 @@ class HostOrdered(Trainer):
         return self.written()
 
     def average_all(self):
-        """6. Every parameter set to the mean of everyone's (``--avg``)."""
+        """6. Every parameter set to the mean of everyone's (``--avg``): N
+        workers, where 2014 had two, each summing every replica, its own too,
+        in rank order (2014: ``param + param_other`` on each side), so that
+        every replica gets the same bits."""
         self.mean()
         return self.written()
 
@@ -425,7 +399,11 @@ class HostOrdered(Trainer):
 class GpuOrdered(DeviceOrdered):
     """``--sync gpu``: the exchange as one kernel on this GPU's stream, inside
     the step (``multi_gpu/stream_exchange.cu``).  ``exchange`` makes this
-    worker's side of it: ``StreamExchange``, or a stand-in on a CPU."""
+    worker's side of it: ``StreamExchange``, or a stand-in on a CPU.  Where
+    2014's host waited after each phase, the GPUs order them: the kernel
+    applies the SGD update as it publishes, signals by writing counters into
+    the other GPUs' memory, and copies and averages in one pass, while the
+    host queues calls of K steps (``--steps-per-call``) and runs ahead."""
 
     route = "CUDA IPC, peer to peer, ordered by the GPUs"
 
@@ -525,7 +503,9 @@ class GpuOrdered(DeviceOrdered):
 
 
 class XlaOrdered(DeviceOrdered):
-    """``--exchange xla``: the mean over all workers as an XLA all-reduce, inside the step."""
+    """``--exchange xla``: the mean over all workers as an XLA all-reduce,
+    inside the step, which JAX's distributed runtime runs (NCCL between GPUs,
+    gloo between CPUs): for several machines, or more GPUs than two."""
 
     route = "an XLA all-reduce (JAX's distributed runtime)"
 
@@ -576,6 +556,8 @@ def make_trainer(args, rank, world, model, device, rundir, xla, watchdog, cleanu
     if xla:
         return XlaOrdered(rank, world, model, device, xla, args.check, watchdog,
                           args.steps_per_call, args.average_every)
+    # ipc:// sockets in the run's private folder, where 2014 bound TCP port 5000 on every
+    # interface: nothing to collide with, nothing another user can reach
     peer = Peer(rundir, rank, world, args.timeout, stopping, device.spin)
     cleanup.callback(peer.close)
     if args.sync == "gpu":
@@ -671,30 +653,15 @@ def main(argv=None):
     args = parse_args(argv)
     started = time.perf_counter()
     args.command = shlex.join(["python", "dual_mlp.py"] + (sys.argv[1:] if argv is None else argv))
+    shapes = mlp.parameter_shapes(datasets.N_PIXELS, args.n_hidden, datasets.N_CLASSES)
     with ExitStack() as run:
         cli.keep_going_without_readers()  # it will hold locks, folders, workers: release them
-        try:
-            shapes = mlp.parameter_shapes(datasets.N_PIXELS, args.n_hidden, datasets.N_CLASSES)
-            notices = request.check_request(args, shapes, BATCH_SIZE, SHIPPED_BATCH_SIZE,
-                                             STEPS_PER_CALL, EPOCHS)
-            run.enter_context(records.hold(args.save, args.json, args.trace,
-                                           request.trace_picture(args.trace),
-                                           room=records.checkpoint_bytes(shapes)))
-            rundir, folder_notice = launcher.run_folder(args, shapes)
-            if args.exchange == "xla" and not args.jax_coordinator and not args.node_rank:
-                args.jax_coordinator = request.private_coordinator(rundir)
-            link, notice = nodes.meet(args, functools.partial(
-                request.differences, args.run_options, keys=request.RUN_OPTIONS), run)
-            notices.append(notice)
-        except (request.UsageError, datasets.DatasetError, records.CheckpointError,
-                nodes.NoAnswer) as e:
-            cli.say(f"dual_mlp.py: error: {e}", file=sys.stderr)
-            return 1 if isinstance(e, nodes.NoAnswer) else 2
-        # node 0 speaks for the run; every other node says that it joined
-        for said in notices + [folder_notice] if args.node_rank == 0 else [notice]:
-            if said:
-                cli.say(said, file=sys.stderr if said.startswith("warning:") else sys.stdout)
-        # each worker is forked from here, as in 2014, and runs worker() in its own process
+        # the request checked, its outputs held, its private folder named, the other nodes met
+        rundir, link = request.prepare(args, shapes, run, BATCH_SIZE, SHIPPED_BATCH_SIZE,
+                                       STEPS_PER_CALL, EPOCHS, CHOICES)
+        # each worker is forked from here, as in 2014, and runs worker() in its own process;
+        # JAX and PyTensor are imported, never started: JAX's threads and CUDA would not
+        # survive the fork (2014 forked first, then imported Theano)
         start = functools.partial(run_worker, worker, one_line_errors=(
             PeerError, records.CheckpointError, datasets.DatasetError, report.Diverged))
         code = launcher.supervise(args, shapes, start, rundir, link)
@@ -747,30 +714,10 @@ def parse_args(argv=None):
                         "where the workers sum the mean into one shared buffer, each its "
                         "share, the weights read it where it lies: the default there, "
                         "measured fastest); 'cpu' through host memory")
-    p.add_argument("--save", metavar="PATH", type=cli.writable,
-                   help="checkpoint (.npz) written after every epoch, atomically: current "
-                        "and best-validation weights, training state and configuration; the "
-                        "run holds it, and a second run asking for it is refused")
-    p.add_argument("--resume", metavar="PATH", help="continue from a --save checkpoint, with "
-                   "the options it was trained with (--save may name the same file)")
-    p.add_argument("--json", metavar="PATH", type=cli.writable,
-                   help="write a summary of the run as JSON")
     p.add_argument("--average-every", type=cli.positive_int, default=1, metavar="H",
                    help="average the replicas every H steps (local SGD): each worker takes H "
                         "SGD steps on its own minibatches, then all average; an epoch always "
                         "ends on an average (default: 1, the 2014 demo: after every step)")
-    p.add_argument("--trace", metavar="PATH.json", type=cli.writable,
-                   help="record every worker's phases, step by step, for a window of steps, "
-                        "as a Chrome trace (open it in ui.perfetto.dev or chrome://tracing), "
-                        "and draw PATH.png beside it (with matplotlib); each node its own "
-                        "workers, node R > 0 into PATH.nodeR.json")
-    p.add_argument("--trace-from", type=cli.positive_int, metavar="EPOCH",
-                   help="--trace: the epoch whose first step the window starts at (default: "
-                        "the second this run trains, after compiling and warming up)")
-    p.add_argument("--trace-steps", type=cli.positive_int, metavar="N",
-                   help="--trace: steps in the window (default: 50)")
-    p.add_argument("--check", action="store_true", help="after every average, measure how "
-                   "far the replicas differ (max_replica_diff; slow: the host waits)")
     p.add_argument("--seed", type=cli.seed, default=SEED,
                    help="weight initialisation seed (default: %(default)s)")
     p.add_argument("--staged", action="store_true",
@@ -781,28 +728,7 @@ def parse_args(argv=None):
                         "the host queues a call, not a step, and a small step is not bound by "
                         "the host (default: " + str(STEPS_PER_CALL) + ", at most an epoch); the "
                         "host-ordered loop takes one step per call")
-    p.add_argument("--timeout", type=cli.seconds, default=TIMEOUT,
-                   help="seconds a worker waits for the others (to meet, or to finish a "
-                        "step) before it reports them stalled (default: %(default)s)")
-    p.add_argument("--max-restarts", type=cli.non_negative_int, default=0, metavar="N",
-                   help="where a worker fails or stops, start every worker (of every node) "
-                        "again from the last --save checkpoint (else from the start), at most "
-                        "N times, as torchrun's --max-restarts; a node lost ends the run "
-                        "(default: %(default)s)")
-    p.add_argument("--nodes", type=cli.positive_int, default=1,
-                   help="machines taking part, each running this launcher with its own "
-                        "devices, the same number on each (default: %(default)s)")
-    p.add_argument("--node-rank", type=int, default=0,
-                   help="this machine's number, 0..nodes-1; node 0 hosts the coordinator")
-    p.add_argument("--secret-file", metavar="PATH",
-                   help="--nodes > 1: a file (mode 600) holding the run's secret, which every "
-                        "node must hold to join (else DUAL_MLP_SECRET; node 0 makes one and "
-                        "prints it where neither is given)")
-    p.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="several machines: node 0's address, where its lobby listens (the "
-                        "nodes prove they hold the run's secret there, and learn where JAX's "
-                        "coordinator is); one machine, --exchange xla: JAX's coordinator's own "
-                        "address (default: a socket in the run's private folder)")
+    cli.add_run_options(p, TIMEOUT)  # --save, --trace, --timeout, --nodes, ...: the plumbing's
     return p.parse_args(argv)
 
 

@@ -308,3 +308,51 @@ def backend_name(mode=None):
     linker = type(pytensor.compile.mode.get_mode(mode).linker).__name__
     return {"NumbaLinker": "Numba", "JAXLinker": "JAX", "CLinker": "C", "VMLinker": "C",
             "PerformLinker": "Python"}.get(linker, linker)
+
+
+def add_run_options(p, timeout):
+    """A run's own options, beside what it trains and how it exchanges: its
+    records (checkpoint, summary, trace, the replica check), its patience and
+    restarts, and its machines (``timeout``: --timeout's default)."""
+    p.add_argument("--save", metavar="PATH", type=writable,
+                   help="checkpoint (.npz) written after every epoch, atomically: current "
+                        "and best-validation weights, training state and configuration; the "
+                        "run holds it, and a second run asking for it is refused")
+    p.add_argument("--resume", metavar="PATH", help="continue from a --save checkpoint, with "
+                   "the options it was trained with (--save may name the same file)")
+    p.add_argument("--json", metavar="PATH", type=writable,
+                   help="write a summary of the run as JSON")
+    p.add_argument("--trace", metavar="PATH.json", type=writable,
+                   help="record every worker's phases, step by step, for a window of steps, "
+                        "as a Chrome trace (open it in ui.perfetto.dev or chrome://tracing), "
+                        "and draw PATH.png beside it (with matplotlib); each node its own "
+                        "workers, node R > 0 into PATH.nodeR.json")
+    p.add_argument("--trace-from", type=positive_int, metavar="EPOCH",
+                   help="--trace: the epoch whose first step the window starts at (default: "
+                        "the second this run trains, after compiling and warming up)")
+    p.add_argument("--trace-steps", type=positive_int, metavar="N",
+                   help="--trace: steps in the window (default: 50)")
+    p.add_argument("--check", action="store_true", help="after every average, measure how "
+                   "far the replicas differ (max_replica_diff; slow: the host waits)")
+    p.add_argument("--timeout", type=seconds, default=timeout,
+                   help="seconds a worker waits for the others (to meet, or to finish a "
+                        "step) before it reports them stalled (default: %(default)s)")
+    p.add_argument("--max-restarts", type=non_negative_int, default=0, metavar="N",
+                   help="where a worker fails or stops, start every worker (of every node) "
+                        "again from the last --save checkpoint (else from the start), at most "
+                        "N times, as torchrun's --max-restarts; a node lost ends the run "
+                        "(default: %(default)s)")
+    p.add_argument("--nodes", type=positive_int, default=1,
+                   help="machines taking part, each running this launcher with its own "
+                        "devices, the same number on each (default: %(default)s)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's number, 0..nodes-1; node 0 hosts the coordinator")
+    p.add_argument("--secret-file", metavar="PATH",
+                   help="--nodes > 1: a file (mode 600) holding the run's secret, which every "
+                        "node must hold to join (else DUAL_MLP_SECRET; node 0 makes one and "
+                        "prints it where neither is given)")
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="several machines: node 0's address, where its lobby listens (the "
+                        "nodes prove they hold the run's secret there, and learn where JAX's "
+                        "coordinator is); one machine, --exchange xla: JAX's coordinator's own "
+                        "address (default: a socket in the run's private folder)")

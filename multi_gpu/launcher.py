@@ -17,17 +17,13 @@ import contextlib
 import ctypes
 import functools
 import json
-import math
 import os
 import re
 import resource
-import secrets
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -36,7 +32,7 @@ import warnings
 from multi_gpu import cli, datasets, files, records
 from multi_gpu.cli import UsageError
 from multi_gpu.nodes import LOST_AFTER, free_port, host_and_port
-from multi_gpu.request import COORDINATOR_SOCKET, check_resume, private_coordinator
+from multi_gpu.request import check_resume, private_coordinator, run_folder
 from multi_gpu.worker import (fault_point, forget_the_launchers_state,
                               heartbeat_path, request_stop, stopping)
 
@@ -255,70 +251,6 @@ def unkillable(left):
     """What the launcher adds to its last line about workers it could not stop."""
     return "".join(f"; worker {w.rank} (pid {w.proc.pid}) cannot be stopped (frozen?) and is "
                    "left as it is" for w in left)
-
-
-SOCKET_PATH_MAX = 107  # an ipc:// socket's path, in bytes (Linux's sun_path, less its NUL)
-
-
-RUN_FOLDER_NAME = re.compile(r"dual_mlp-(\d+)-[0-9a-f]{16}")  # after its launcher's pid
-STALE_AFTER = 60  # seconds without a heartbeat: a run folder nobody is left to remove
-
-
-def drop_folders_of_dead_runs(parent):
-    """Remove the run folders of this user's earlier runs in ``parent`` that
-    nobody was left to remove (the launcher SIGKILLed with its workers, a
-    machine's processes killed at once): its launcher is gone and nothing in
-    it changed for ``STALE_AFTER`` s.  /dev/shm is memory."""
-    with contextlib.suppress(OSError), os.scandir(parent) as entries:
-        for entry in entries:
-            found = RUN_FOLDER_NAME.fullmatch(entry.name)
-            if not found or records.alive(int(found.group(1))):
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-                if not entry.is_dir(follow_symlinks=False) or st.st_uid != os.getuid():
-                    continue
-                last = max([st.st_mtime] + [os.lstat(os.path.join(entry.path, f)).st_mtime
-                                            for f in os.listdir(entry.path)])
-            except OSError:  # another run removed it meanwhile
-                continue
-            if time.time() - last > STALE_AFTER:
-                shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def run_folder(args, shapes):
-    """Where the run's private folder for its sockets, buffers and heartbeats
-    will be (``launch`` makes it): in shared memory where it has room for
-    them, else on disk; named after this launcher, so that nobody mistakes
-    it for another run's, and unguessable.  Dead runs' folders there go."""
-    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    for parent in {shm, tempfile.gettempdir()} - {None}:
-        drop_folders_of_dead_runs(parent)
-    n_params = sum(math.prod(s) for s in shapes)
-    data = sum(a.nbytes for split in getattr(args, "checked_data", ()) for a in split)
-    needed = 4 * len(args.devices) * n_params * 4 + data + (1 << 20)  # weights, data, room
-    notice = None
-    if shm and shutil.disk_usage(shm).free < needed:
-        notice = (f"notice: /dev/shm has {shutil.disk_usage(shm).free >> 20} MB free, the run "
-                  f"needs {needed >> 20} MB there: its buffers go to a folder on disk")
-        shm = None
-    folder = shm or tempfile.gettempdir()
-    name = f"dual_mlp-{os.getpid()}-{secrets.token_hex(8)}"
-    n = len(args.devices)
-    socket = os.path.join(folder, name, max(f"peer-{n - 2}-{n - 1}.sock", COORDINATOR_SOCKET,
-                                            key=len))  # the longest path
-    if len(socket.encode()) > SOCKET_PATH_MAX:
-        if folder == "/tmp" or not os.access("/tmp", os.W_OK):
-            raise UsageError(f"{folder} is too deep a folder for the run's sockets (a path of "
-                             f"{len(socket.encode())} bytes; Linux takes {SOCKET_PATH_MAX}): "
-                             "set TMPDIR to a shorter one")
-        notice = (f"notice: {folder} is too deep a folder for the run's sockets: its "
-                  "buffers and sockets go to /tmp")
-        folder = "/tmp"
-    if shutil.disk_usage(folder).free < needed:
-        raise UsageError(f"{folder} has {shutil.disk_usage(folder).free >> 20} MB free, the "
-                         f"run needs {needed >> 20} MB for its buffers")
-    return os.path.join(folder, name), notice
 
 
 def launch(args, shapes, start, rundir, link):

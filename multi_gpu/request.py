@@ -6,18 +6,25 @@ the exchange, its ordering and its average by the devices at hand).
 through.
 """
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags, before PyTensor
+import contextlib
 import functools
 import importlib.util
 import itertools
 import json
+import math
 import os
+import re
 import resource
+import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytensor
 
-from multi_gpu import cli, datasets, devices, records
+from multi_gpu import cli, datasets, devices, nodes, records
 from multi_gpu.cli import UsageError
 from multi_gpu.nodes import check_port, free_port, host_and_port, on_loopback
 from multi_gpu.trainer import steps_per_epoch
@@ -111,8 +118,9 @@ def private_coordinator(rundir):
 COORDINATOR_SOCKET = "coordinator.sock"
 
 
-def check_exchange(args, world, gpus):
-    """Resolve --exchange, --sync, --avg and --staged; returns the notices."""
+def check_exchange(args, world, gpus, choices):
+    """Resolve --exchange, --sync, --avg and --staged (``choices``: the
+    defaults of --sync and --avg on GPUs and CPUs); returns the notices."""
     shared = len(set(args.devices)) < len(args.devices)  # GPUs; CPU workers always share
     exchange_asked, sync_asked, staged_asked = args.exchange, args.sync, args.staged
     choose_exchange(args, world, gpus, shared)
@@ -121,7 +129,7 @@ def check_exchange(args, world, gpus):
     if args.exchange == "xla":
         check_xla(args, gpus, shared)
         return notices
-    choose_sync_and_avg(args, gpus)
+    choose_sync_and_avg(args, gpus, choices)
     if gpus:
         notices += host_ordering(args, world, shared, sync_asked, staged_asked)
     return notices
@@ -168,22 +176,19 @@ def check_xla(args, gpus, shared):
         raise UsageError("--exchange xla needs a different GPU for every worker")
 
 
-def choose_sync_and_avg(args, gpus):
-    """--sync by default: gpu on GPUs, host on CPUs (its only way); --avg:
-    theano on GPUs, pycuda on CPUs."""
+def choose_sync_and_avg(args, gpus, choices):
+    """--sync and --avg by default: ``choices``' for the hardware."""
     if args.staged and not gpus:
         raise UsageError("--staged moves GPU workers' weights through host memory: CPU "
                          "workers' weights are in host memory already")
-    if args.sync is None:
-        args.sync = "gpu" if gpus else "host"
+    hardware = "gpu" if gpus else "cpu"
+    args.sync = args.sync or choices["sync"][hardware]
     if args.sync == "gpu" and not gpus:
         raise UsageError("--sync gpu orders the exchange on GPU streams: on CPUs the host "
                          "orders it (--sync host)")
     if args.sync == "gpu" and args.avg:
         raise UsageError("--avg chooses how the host-ordered loop averages: add --sync host")
-    # measured: on CPUs the mean read where the workers summed it is the fastest
-    # (bench/results/compare_cpu.json); on GPUs the 2014 default
-    args.avg = args.avg or ("theano" if gpus else "pycuda")
+    args.avg = args.avg or choices["avg"][hardware]
 
 
 def host_ordering(args, world, shared, sync_asked, staged_asked):
@@ -402,13 +407,15 @@ def check_xla_flags():
                          "--xla_force_host_platform_device_count=2)")
 
 
-def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call, epochs):
+def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call, epochs,
+                  choices):
     """Resolve defaults and check every input; returns the notices to print.
     ``shapes`` are the model's parameters' (a checkpoint must hold them),
     ``batch_size`` is the default per worker, ``shipped_batch_size`` the one
     on the shipped digits (too few for two minibatches of the default),
     ``steps_per_call`` the default of the device-ordered exchanges,
-    ``epochs`` the default of --epochs."""
+    ``epochs`` the default of --epochs, ``choices`` those of --sync and
+    --avg by hardware."""
     notices = []
     fault = fault_spec_problem()
     if fault:
@@ -422,7 +429,7 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call, 
     check_limits(len(args.devices))
     notices.append(notice)
     world, gpus = args.nodes * len(args.devices), args.devices[0] != "cpu"
-    notices += check_exchange(args, world, gpus)
+    notices += check_exchange(args, world, gpus, choices)
     if gpus and pytensor.config.floatX != "float32":
         raise UsageError("the GPU path runs in float32: drop floatX from the flags")
     args.dataset, notice = datasets.resolve(args.dataset)
@@ -487,3 +494,95 @@ def place_coordinator(args):
         else:
             args.jax_coordinator = args.coordinator
     return notice
+
+
+SOCKET_PATH_MAX = 107  # an ipc:// socket's path, in bytes (Linux's sun_path, less its NUL)
+
+
+RUN_FOLDER_NAME = re.compile(r"dual_mlp-(\d+)-[0-9a-f]{16}")  # after its launcher's pid
+STALE_AFTER = 60  # seconds without a heartbeat: a run folder nobody is left to remove
+
+
+def drop_folders_of_dead_runs(parent):
+    """Remove the run folders of this user's earlier runs in ``parent`` that
+    nobody was left to remove (the launcher SIGKILLed with its workers, a
+    machine's processes killed at once): its launcher is gone and nothing in
+    it changed for ``STALE_AFTER`` s.  /dev/shm is memory."""
+    with contextlib.suppress(OSError), os.scandir(parent) as entries:
+        for entry in entries:
+            found = RUN_FOLDER_NAME.fullmatch(entry.name)
+            if not found or records.alive(int(found.group(1))):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if not entry.is_dir(follow_symlinks=False) or st.st_uid != os.getuid():
+                    continue
+                last = max([st.st_mtime] + [os.lstat(os.path.join(entry.path, f)).st_mtime
+                                            for f in os.listdir(entry.path)])
+            except OSError:  # another run removed it meanwhile
+                continue
+            if time.time() - last > STALE_AFTER:
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def run_folder(args, shapes):
+    """Where the run's private folder for its sockets, buffers and heartbeats
+    will be (``launch`` makes it): in shared memory where it has room for
+    them, else on disk; named after this launcher, so that nobody mistakes
+    it for another run's, and unguessable.  Dead runs' folders there go."""
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    for parent in {shm, tempfile.gettempdir()} - {None}:
+        drop_folders_of_dead_runs(parent)
+    n_params = sum(math.prod(s) for s in shapes)
+    data = sum(a.nbytes for split in getattr(args, "checked_data", ()) for a in split)
+    needed = 4 * len(args.devices) * n_params * 4 + data + (1 << 20)  # weights, data, room
+    notice = None
+    if shm and shutil.disk_usage(shm).free < needed:
+        notice = (f"notice: /dev/shm has {shutil.disk_usage(shm).free >> 20} MB free, the run "
+                  f"needs {needed >> 20} MB there: its buffers go to a folder on disk")
+        shm = None
+    folder = shm or tempfile.gettempdir()
+    name = f"dual_mlp-{os.getpid()}-{secrets.token_hex(8)}"
+    n = len(args.devices)
+    socket = os.path.join(folder, name, max(f"peer-{n - 2}-{n - 1}.sock", COORDINATOR_SOCKET,
+                                            key=len))  # the longest path
+    if len(socket.encode()) > SOCKET_PATH_MAX:
+        if folder == "/tmp" or not os.access("/tmp", os.W_OK):
+            raise UsageError(f"{folder} is too deep a folder for the run's sockets (a path of "
+                             f"{len(socket.encode())} bytes; Linux takes {SOCKET_PATH_MAX}): "
+                             "set TMPDIR to a shorter one")
+        notice = (f"notice: {folder} is too deep a folder for the run's sockets: its "
+                  "buffers and sockets go to /tmp")
+        folder = "/tmp"
+    if shutil.disk_usage(folder).free < needed:
+        raise UsageError(f"{folder} has {shutil.disk_usage(folder).free >> 20} MB free, the "
+                         f"run needs {needed >> 20} MB for its buffers")
+    return os.path.join(folder, name), notice
+
+
+def prepare(args, shapes, run, *defaults):
+    """The run made ready, or refused in one line (SystemExit: 2, or 1 where
+    another node did not answer): the request checked (``check_request``,
+    with ``defaults``: batch size, the shipped digits', steps per call,
+    epochs, the exchange's choices), its outputs held (``run``: an ExitStack that releases them),
+    its private folder named, JAX's coordinator placed, the other nodes met;
+    and what it has to say, said: node 0 speaks for the run, every other
+    node says that it joined.  Returns (the run folder, the other nodes' link)."""
+    try:
+        notices = check_request(args, shapes, *defaults)
+        run.enter_context(records.hold(args.save, args.json, args.trace,
+                                       trace_picture(args.trace),
+                                       room=records.checkpoint_bytes(shapes)))
+        rundir, folder_notice = run_folder(args, shapes)
+        if args.exchange == "xla" and not args.jax_coordinator and not args.node_rank:
+            args.jax_coordinator = private_coordinator(rundir)
+        link, notice = nodes.meet(args, functools.partial(differences, args.run_options,
+                                                          keys=RUN_OPTIONS), run)
+        notices.append(notice)
+    except (UsageError, datasets.DatasetError, records.CheckpointError, nodes.NoAnswer) as e:
+        cli.say(f"dual_mlp.py: error: {e}", file=sys.stderr)
+        raise SystemExit(1 if isinstance(e, nodes.NoAnswer) else 2) from None
+    for said in notices + [folder_notice] if args.node_rank == 0 else [notice]:
+        if said:
+            cli.say(said, file=sys.stderr if said.startswith("warning:") else sys.stdout)
+    return rundir, link

@@ -188,7 +188,7 @@ def test_a_resume_without_epochs_goes_on_to_the_epochs_its_run_asked_for(tmp_pat
         args = dual_mlp.parse_args(["cpu", "cpu", "--resume", str(path), *map(str, given)])
         notices = request.check_request(args, SHAPES, dual_mlp.BATCH_SIZE,
                                          dual_mlp.SHIPPED_BATCH_SIZE, dual_mlp.STEPS_PER_CALL,
-                                         dual_mlp.EPOCHS)
+                                         dual_mlp.EPOCHS, dual_mlp.CHOICES)
         assert args.epochs == epochs and args.trained_with["epochs"] == epochs
         assert [n for n in notices if "--resume" in n] == ([words] if words else []), notices
 

@@ -182,14 +182,14 @@ def test_a_dead_node_stops_the_other_node():
     # node 1's folder: nobody was left to remove it; the next run does, once nothing in it
     # has changed for a minute (younger, it is left: its launcher may be in another pid
     # namespace)
-    from multi_gpu import launcher
+    from multi_gpu import request
     leftover, = run_directories() - before
-    launcher.drop_folders_of_dead_runs(str(leftover.parent))
+    request.drop_folders_of_dead_runs(str(leftover.parent))
     assert leftover.exists()
-    old = time.time() - launcher.STALE_AFTER - 1
+    old = time.time() - request.STALE_AFTER - 1
     for path in [leftover, *leftover.iterdir()]:
         os.utime(path, (old, old), follow_symlinks=False)
-    launcher.run_folder(argparse.Namespace(devices=["cpu", "cpu"]), SHAPES)
+    request.run_folder(argparse.Namespace(devices=["cpu", "cpu"]), SHAPES)
     assert not leftover.exists()
 
 
