@@ -180,14 +180,14 @@ class HostTransport:
                for k in range(n_workers + 1)]
         self.share = slice(cut[rank], cut[rank + 1])
         self.received = [devices.host_buffer(self.layout.size, self.layout.dtype)]
-        self.sources = []
+        self.sources, self.aliased = [], None
 
     def handle(self):
         return self.path
 
     def connect(self, handles):
         self.sources = [mapped(path, self.layout, "r") for path in handles]
-        self.received = [mapped(self.mean_path, self.layout, "r+")]
+        self.received, self.aliased = [mapped(self.mean_path, self.layout, "r+")], None
 
     def publish(self, values):
         for view, value in zip(self.send_views, values):
@@ -201,8 +201,23 @@ class HostTransport:
             mean[mine] += source[mine]
         mean[mine] /= self.n
 
+    def average(self, params):
+        """6. under ``--avg pycuda``, the CPUs' default: every parameter is the
+        mean as the copies left it, read where it lies: JAX's arrays alias
+        the mapped file, made once, with no copy (JAX never writes an array
+        in place); another backend (Numba's) may, so it gets a copy."""
+        views = self.layout.views(self.received[0])
+        if self.device.mode != "JAX":
+            for p, mean in zip(params, views):
+                np.copyto(storage(p), mean)
+            return
+        if self.aliased is None:
+            self.aliased = [self.device.alias(view) for view in views]
+        for p, mean in zip(params, self.aliased):
+            place(p, mean)
+
     def close(self):
-        self.received = self.sources = self.send = self.send_views = None  # unmaps
+        self.received = self.sources = self.send = self.send_views = self.aliased = None  # unmaps
 
 
 class StagedCudaTransport:
@@ -361,7 +376,9 @@ class HostOrdered(Trainer):
             return pytensor.function([], [], mode=device.mode, updates=[
                 (p, pt.alloc(mean_in_rank_order([slot[i] for slot in slots]), *p.shape))
                 for i, p in enumerate(params)])
-        if kind == "pycuda":
+        if kind == "pycuda" and device.name == "cpu":  # the laptop's: HostTransport's mean
+            return lambda: self.transport.average(params)
+        if kind == "pycuda":  # a CUDA kernel, in place on the buffers JAX handed back
             return lambda: device.average_in_place(params, self.transport.received, layout)
 
         def through_host():

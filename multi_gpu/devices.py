@@ -182,12 +182,6 @@ class HostDevice:
     def wait(self, values):
         pass  # NumPy work is done when the call returns
 
-    def average_in_place(self, params, received, layout):
-        """``--avg pycuda`` on the CPU: the direct array operation, in place:
-        each parameter set to the mean of every worker's (``received``),
-        summed in rank order."""
-        mean_into([storage(p) for p in params], layout.slots(received))
-
     def close(self):
         pass
 
@@ -233,23 +227,6 @@ class JaxDevice:
 
     def wait(self, values):
         self.jax.block_until_ready(values)
-
-    def average_in_place(self, params, received, layout):
-        """``--avg pycuda`` on JAX's CPU: where the transport has summed the
-        mean already (one buffer: the CPU's shared mean), every parameter
-        reads it where it lies, no copy; else JAX's arrays cannot be written,
-        so NumPy's in-place mean goes into fresh host copies, handed to JAX."""
-        if len(received) == 1 and received[0].size == layout.size:
-            if getattr(self, "aliased", (None,))[0] is not received[0]:  # made once
-                self.aliased = received[0], [self.alias(v) for v in layout.views(received[0])]
-            for p, view in zip(params, self.aliased[1]):
-                place(p, view)
-            return
-        everyone = layout.slots(received)
-        means = [self.to_host(storage(p)) for p in params]
-        mean_into(means, everyone)
-        for p, mean in zip(params, means):
-            place(p, self.put(mean))
 
     def close(self):
         pass
@@ -332,17 +309,6 @@ def host_buffer(size, dtype):
     raw = np.zeros(size * dtype.itemsize + 64, np.uint8)
     start = -raw.ctypes.data % 64
     return raw[start:start + size * dtype.itemsize].view(dtype)
-
-
-def mean_into(arrays, everyone):
-    """Each array set to the mean of every worker's (``everyone``: their
-    parameters in rank order), in place, summed in rank order."""
-    n_workers = len(everyone)
-    for i, mine in enumerate(arrays):
-        np.copyto(mine, everyone[0][i])
-        for theirs in everyone[1:]:
-            mine += theirs[i]
-        mine /= n_workers
 
 
 def jax_cache_folder():
