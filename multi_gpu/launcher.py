@@ -83,15 +83,20 @@ class Forked:
                 stream.flush()
         # no stop signal's handler of the launcher's may run in the child
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, cli.STOP_SIGNALS)
-        with warnings.catch_warnings():
-            # Python warns at any fork beside threads: here NumPy's BLAS's, idle,
-            # (and the lobby's, on several nodes), whose locks the child never takes
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:
-            self._become_worker(start, env, name, writer, blocked)
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        os.close(writer)
+        try:
+            with warnings.catch_warnings():
+                # Python warns at any fork beside threads: here NumPy's BLAS's, idle,
+                # (and the lobby's, on several nodes), whose locks the child never takes
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:
+                self._become_worker(start, env, name, writer, blocked)
+        except OSError:  # no worker came: its end of the pipe is not wanted
+            os.close(reader)
+            raise
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            os.close(writer)
         with contextlib.suppress(OSError):  # set on both sides: no signal finds it between
             os.setpgid(pid, pid)
         self.pid, self.returncode = pid, None
@@ -119,8 +124,10 @@ class Forked:
             with contextlib.suppress(OSError, AttributeError):  # ps, top and pgrep show it
                 ctypes.CDLL(None).prctl(15, name.encode()[:15])  # PR_SET_NAME
             code = start()
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else bool(print(e.code, file=sys.stderr))
+        except SystemExit as e:  # sys.exit(): a number, or words for the error output
+            if not (e.code is None or isinstance(e.code, int)):
+                print(e.code, file=sys.stderr)
+            code = e.code if e.code is None or isinstance(e.code, int) else 1
         except BaseException:
             traceback.print_exc()
         finally:
