@@ -206,13 +206,12 @@ class HostTransport:
         mean as the copies left it, read where it lies: JAX's arrays alias
         the mapped file, made once, with no copy (JAX never writes an array
         in place); another backend (Numba's) may, so it gets a copy."""
-        views = self.layout.views(self.received[0])
         if self.device.mode != "JAX":
-            for p, mean in zip(params, views):
+            for p, mean in zip(params, self.layout.views(self.received[0])):
                 np.copyto(storage(p), mean)
             return
         if self.aliased is None:
-            self.aliased = [self.device.alias(view) for view in views]
+            self.aliased = [self.device.alias(view) for view in self.layout.views(self.received[0])]
         for p, mean in zip(params, self.aliased):
             place(p, mean)
 

@@ -10,6 +10,8 @@ import shutil
 import signal
 import subprocess
 
+from bench.common import parse_args
+
 
 def why_no_test_hosts():
     """Why test hosts cannot be made here (None where they can)."""
@@ -50,6 +52,18 @@ class Host:
         for pid in self.pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
+
+
+def host_arguments(parser, table):
+    """A test-host benchmark's command line, parsed as a CPU benchmark's
+    (``bench.common.parse_args``), or refused in one line where test hosts
+    cannot be made here."""
+    parser.set_defaults(cpu=True)
+    args = parse_args(parser, table)
+    why = why_no_test_hosts()
+    if why:
+        parser.error(why)
+    return args
 
 
 def ip(*args):

@@ -19,8 +19,8 @@ import sys
 import tempfile
 import time
 
-from bench.common import OUT, measured_by, parse_args, record, show
-from bench.hosts import FAULTS, hosts_on_a_bridge, two_nodes, why_no_test_hosts
+from bench.common import OUT, measured_by, record, show
+from bench.hosts import FAULTS, host_arguments, hosts_on_a_bridge, two_nodes
 from multi_gpu.cli import Parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,11 +109,7 @@ def table(document):
 def main():
     parser = Parser(about=__doc__)
     parser.add_argument("--out", default=OUT, help="folder for the JSON")
-    parser.set_defaults(cpu=True)
-    args = parse_args(parser, table)
-    why = why_no_test_hosts()
-    if why:
-        parser.error(why)
+    args = host_arguments(parser, table)
     figures = []
     with tempfile.TemporaryDirectory() as folder:
         for fault in FAULTS:

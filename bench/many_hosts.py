@@ -20,8 +20,8 @@ import sys
 import tempfile
 import time
 
-from bench.common import OUT, measured_by, parse_args, record, show
-from bench.hosts import hosts_on_a_bridge, why_no_test_hosts
+from bench.common import OUT, measured_by, record, show
+from bench.hosts import host_arguments, hosts_on_a_bridge
 from multi_gpu.cli import Parser, positive_int
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,13 +38,14 @@ def start_nodes(hosts, folder, *args):
 
 
 def ended(node, timeout):
-    """(exit code, its last line: of its error output where it has one, its
-    error output), or None for each where it did not end within ``timeout`` s."""
+    """(exit code, its last line: of its error output where it has one, what
+    it printed from here on, its error output), or None for each where it did
+    not end within ``timeout`` s."""
     try:
         out, err = node.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return None, None, None
-    return node.returncode, ((err.strip() or out.strip()).splitlines() or [""])[-1], err
+        return None, None, None, None
+    return node.returncode, ((err.strip() or out.strip()).splitlines() or [""])[-1], out, err
 
 
 def whole_run(hosts, folder):
@@ -57,15 +58,13 @@ def whole_run(hosts, folder):
         if line.startswith("... training"):
             break
     start_up = time.monotonic() - started
-    rest, err0 = nodes[0].communicate(timeout=600)
-    ends = [(nodes[0].returncode, (err0.strip() or rest.strip()).splitlines()[-1], err0)] + \
-        [ended(node, 60) for node in nodes[1:]]
-    text = "".join(out0) + rest
+    ends = [ended(nodes[0], 600)] + [ended(node, 60) for node in nodes[1:]]
+    text = "".join(out0) + (ends[0][2] or "")
     step = re.search(r"(\d+) us per step", text)
     check = re.search(r"max difference between the replicas after an exchange: (\S+)", text)
     return dict(start_up_s=start_up, step_us=step and int(step.group(1)),
                 max_replica_diff=check and float(check.group(1)),
-                codes=[code for code, _, _ in ends], last_lines=[line for _, line, _ in ends])
+                codes=[end[0] for end in ends], last_lines=[end[1] for end in ends])
 
 
 def cut_run(hosts, folder):
@@ -88,11 +87,11 @@ def cut_run(hosts, folder):
     finally:
         for host in hosts:
             host.signal(9)  # any node that did not end
-    code, line, err = ends.pop(victim)
+    code, line, _, err = ends.pop(victim)
     return dict(victim=victim, victim_address=hosts[victim].address,
                 survivors=[dict(rank=rank, stopped_after_s=took.get(rank), exit_code=code,
                                 last_line=line, stderr=err)
-                           for rank, (code, line, err) in ends.items()],
+                           for rank, (code, line, _, err) in ends.items()],
                 cut_off=dict(stopped_after_s=took.get(victim), exit_code=code, last_line=line,
                              stderr=err))
 
@@ -124,11 +123,7 @@ def main():
     parser.add_argument("--hosts", type=positive_int, default=16,
                         help="test hosts, one node of one CPU worker each (default: 16)")
     parser.add_argument("--out", default=OUT, help="folder for the JSON")
-    parser.set_defaults(cpu=True)
-    args = parse_args(parser, table)
-    why = why_no_test_hosts()
-    if why:
-        parser.error(why)
+    args = host_arguments(parser, table)
     if args.hosts < 3:
         parser.error("--hosts: at least 3 (one is cut, two go on)")
     with tempfile.TemporaryDirectory() as folder:

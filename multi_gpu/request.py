@@ -564,10 +564,11 @@ def prepare(args, shapes, run, *defaults):
     """The run made ready, or refused in one line (SystemExit: 2, or 1 where
     another node did not answer): the request checked (``check_request``,
     with ``defaults``: batch size, the shipped digits', steps per call,
-    epochs, the exchange's choices), its outputs held (``run``: an ExitStack that releases them),
-    its private folder named, JAX's coordinator placed, the other nodes met;
-    and what it has to say, said: node 0 speaks for the run, every other
-    node says that it joined.  Returns (the run folder, the other nodes' link)."""
+    epochs, the exchange's choices), its outputs held (``run``: an ExitStack
+    that releases them), its private folder named, JAX's coordinator placed,
+    the other nodes met; and what it has to say, said: node 0 speaks for the
+    run, every other node says that it joined.  Returns (the run folder, the
+    other nodes' link)."""
     try:
         notices = check_request(args, shapes, *defaults)
         run.enter_context(records.hold(args.save, args.json, args.trace,
