@@ -24,13 +24,11 @@ is k modulo N; after the average, the replicas have taken one SGD step on a
 minibatch N times the size.
 
 The file, top to bottom: the configuration (2014's ``shared_args``); the
-transports (``CudaIpcTransport``, ``HostTransport`` for CPUs,
-``StagedCudaTransport``) and ``barrier``; the trainers: ``HostOrdered``
-(the step above, ``--sync host``), ``GpuOrdered`` (phases 2-6 as one kernel,
-``--sync gpu``), ``XlaOrdered`` (a ``pmean`` in the compiled step,
-``--exchange xla``); ``worker``, one process's run; ``main``, the launcher.
-The plumbing (checks, processes, sockets, data, records) is in the package
-``multi_gpu/``, one named call away.
+transports (``CudaIpcTransport``; ``HostTransport`` for CPUs) and
+``barrier``; the trainers ``HostOrdered`` (the step above), ``GpuOrdered``
+(``--sync gpu``: phases 2-6 as one kernel) and ``XlaOrdered`` (``--exchange
+xla``: a ``pmean`` in the compiled step); ``worker``; ``main``, the
+launcher.  The plumbing is in the package ``multi_gpu/``, a named call away.
 """
 import signal
 import sys
@@ -52,14 +50,14 @@ import zmq
 
 import mlp
 from logistic_sgd import load_data
-from multi_gpu import (cli, datasets, devices, files, launcher, records, report, request,
-                       trace)
+from multi_gpu import (cli, datasets, devices, files, launcher, links, records, report,
+                       request, trace, xla_cache)
 from multi_gpu.devices import place, storage
-from multi_gpu.links import Layout, Peer, PeerError, XlaExchange
-from multi_gpu.trainer import (AHEAD, DeviceOrdered, StepClock, Trainer, averages_after,
-                               averages_in, local_sgd,
-                               mean_in_rank_order, minibatch)
-from multi_gpu.worker import hooked, run_worker, stop_point, stopping
+from multi_gpu.links import Layout, XlaExchange
+from multi_gpu.trainer import (AHEAD, DeviceOrdered, Peer, PeerError, StepClock, Trainer,
+                               averages_after, averages_in, local_sgd, mean_in_rank_order,
+                               minibatch)
+from multi_gpu.worker import run_worker, stop_point, stopping
 
 # -----------------------------------------------------------------------------
 # configuration: the 2014 demo's shared_args
@@ -86,16 +84,13 @@ CHOICES = {
 # the 2014 step: ordered by the host
 
 class CudaIpcTransport:
-    """How the weights travel between GPUs: PyCUDA allocates each worker's
-    send buffer once, so its address never moves (JAX writes every step's
-    weights to new buffers) and one CUDA IPC handle, sent to the others over
-    zmq at the start, serves the whole run, as the handles of 2014 did.
-    Every copy is a device-to-device copy on this GPU's stream, from the
-    other GPU's memory (over NVLink where there is one), as 2014's
-    ``memcpy_peer`` was.  The receive buffer is a JAX array, so the compiled
-    averaging function reads it directly.  PyCUDA works in JAX's primary CUDA
-    context (2014 made a context of its own), so that a pointer into a JAX
-    array is PyCUDA's too."""
+    """How the weights travel between GPUs.  PyCUDA allocates each worker's
+    send buffer once, so one CUDA IPC handle, swapped over zmq at the start,
+    serves the whole run, as 2014's did; each copy is a device-to-device copy
+    from the other GPU's memory (over NVLink where there is one), as 2014's
+    ``memcpy_peer`` was, into a JAX array that the average reads.  PyCUDA
+    works in JAX's primary context (2014 made its own), so that a pointer
+    into a JAX array is PyCUDA's too."""
 
     route = "CUDA IPC, peer to peer"
 
@@ -142,52 +137,42 @@ class CudaIpcTransport:
         self.sources = self.opened = []
 
 
-def mapped(path, layout, mode):
-    """A run-folder file of ``layout``'s floats mapped into memory
-    (``np.memmap``): ``new`` (made here, exclusively), ``r`` or ``r+``."""
-    with (files.new_file(path, layout.nbytes) if mode == "new" else
-          files.open_file(path, write=mode == "r+")) as f:
-        return np.memmap(f, layout.dtype, mode="r" if mode == "r" else "r+",
-                         shape=(layout.size,))
-
-
 class HostTransport:
-    """The same calls between CPU workers, the transport a laptop runs: the
-    send buffer is a file in the run's private folder that every worker maps
-    into its memory (``np.memmap``), and its name is the handle.  On a CPU
-    nothing needs copying out of the others' buffers: they are mapped here.
-    So the copy (phase 4) is each worker's share of the mean: worker k of N
-    sums the k-th N-th of every send buffer, in rank order, into one more
-    mapped file, the mean (``mean.bin``), and after the second signal every
-    worker's weights are that mean, read where it lies (phase 6): every
-    element summed once, by one worker, so the replicas hold the same bits.
-    ``received`` is that mean; the parameters sit 64 bytes apart in it, so
-    that JAX reads each in place (``devices.JaxDevice.alias``)."""
+    """The same calls between CPU workers, the laptop's transport: a send
+    buffer is a file in the run's private folder that every worker maps
+    (``np.memmap``); its name is the handle.  Nothing needs copying out of
+    the others' buffers, so the copy (phase 4) is each worker's share of the
+    mean: worker k of N sums the k-th N-th of every send buffer, in rank
+    order, into one more mapped file (``mean.bin``); after the second signal
+    every worker's weights are that mean, read where it lies (phase 6).  Each
+    element is summed once, by one worker: the replicas hold the same bits."""
 
     route = "host memory"
 
     def __init__(self, rundir, rank, n_workers, layout, device):
         self.rank, self.n, self.device, self.layout = rank, n_workers, device, layout.aligned()
         self.path = os.path.join(rundir, f"weights{rank}.bin")
-        self.send = mapped(self.path, self.layout, "new")
+        self.send = files.mapped(self.path, self.layout, "new")
         self.send_views = self.layout.views(self.send)
         self.mean_path = os.path.join(rundir, "mean.bin")
         if rank == 0:  # made before the handshake, which the others wait for to open it
-            mapped(self.mean_path, self.layout, "new")
+            files.mapped(self.mean_path, self.layout, "new")
         # my share of every buffer: whole 64-byte blocks, the last share takes the rest
         block = 64 // self.layout.dtype.itemsize
         cut = [min(self.layout.size, -(-self.layout.size * k // n_workers // block) * block)
                for k in range(n_workers + 1)]
         self.share = slice(cut[rank], cut[rank + 1])
         self.received = [devices.host_buffer(self.layout.size, self.layout.dtype)]
-        self.sources, self.aliased = [], None
+        self.sources, self.aliased = [], []
 
     def handle(self):
         return self.path
 
     def connect(self, handles):
-        self.sources = [mapped(path, self.layout, "r") for path in handles]
-        self.received, self.aliased = [mapped(self.mean_path, self.layout, "r+")], None
+        self.sources = [files.mapped(path, self.layout, "r") for path in handles]
+        self.received = [files.mapped(self.mean_path, self.layout, "r+")]
+        if self.device.mode == "JAX":  # views that JAX reads in place: made once, no copy
+            self.aliased = [self.device.alias(v) for v in self.layout.views(self.received[0])]
 
     def publish(self, values):
         for view, value in zip(self.send_views, values):
@@ -203,15 +188,12 @@ class HostTransport:
 
     def average(self, params):
         """6. under ``--avg pycuda``, the CPUs' default: every parameter is the
-        mean as the copies left it, read where it lies: JAX's arrays alias
-        the mapped file, made once, with no copy (JAX never writes an array
-        in place); another backend (Numba's) may, so it gets a copy."""
+        mean as the copies left it, read where it lies (JAX never writes an
+        array in place); another backend (Numba's) may, so it gets a copy."""
         if self.device.mode != "JAX":
             for p, mean in zip(params, self.layout.views(self.received[0])):
                 np.copyto(storage(p), mean)
             return
-        if self.aliased is None:
-            self.aliased = [self.device.alias(view) for view in self.layout.views(self.received[0])]
         for p, mean in zip(params, self.aliased):
             place(p, mean)
 
@@ -219,46 +201,11 @@ class HostTransport:
         self.received = self.sources = self.send = self.send_views = self.aliased = None  # unmaps
 
 
-class StagedCudaTransport:
-    """The fallback for GPUs without peer access (``--staged``): each worker
-    copies its weights down into a mapped host file (its name the handle),
-    the others copy them up into a receive buffer on their GPU."""
-
-    route = "host memory (staged)"
-
-    def __init__(self, rundir, rank, n_workers, layout, device):
-        self.layout, self.device = layout, device
-        self.path = os.path.join(rundir, f"weights{rank}.bin")
-        self.send = mapped(self.path, layout, "new")
-        self.send_views = layout.views(self.send)
-        self.recv = device.put(np.zeros(n_workers * layout.size, layout.dtype))
-        self.received, self.sources = [self.recv], []
-
-    def handle(self):
-        return self.path
-
-    def connect(self, handles):
-        self.sources = [mapped(path, self.layout, "r") for path in handles]
-
-    def publish(self, values):
-        for view, value in zip(self.send_views, values):
-            self.device.drv.memcpy_dtoh(view, self.device.pointer(value))
-
-    def fetch(self):
-        base, nbytes = self.device.pointer(self.recv), self.layout.nbytes
-        for w, source in enumerate(self.sources):
-            self.device.drv.memcpy_htod(base + w * nbytes, source)
-
-    def close(self):
-        self.sources = self.send = self.send_views = None  # unmaps
-
-
 def transport(device, rundir, rank, world, layout, staged):
-    """The host-ordered transport for ``device``: PyCUDA peer to peer between
-    GPUs, else through host memory (CPUs; ``staged``, chosen by the launcher
-    where the GPUs cannot reach each other's memory)."""
+    """The host-ordered transport: PyCUDA peer to peer between GPUs, else
+    through host memory (CPUs; ``staged``, GPUs without peer access)."""
     if staged:
-        return StagedCudaTransport(rundir, rank, world, layout, device)
+        return links.StagedCudaTransport(rundir, rank, world, layout, device)
     if device.name == "cpu":
         return HostTransport(rundir, rank, world, layout, device)
     return CudaIpcTransport(rank, world, layout, device)
@@ -266,14 +213,11 @@ def transport(device, rundir, rank, world, layout, staged):
 
 def barrier(peer):
     """3. and 5., a signal: a zmq message to every other worker, then one
-    from each, on the PAIR socket between the two, so that nobody goes on
-    before the last has arrived.  A message holds the barrier's number (all
-    must be at the same one) and when its sender arrived, on the machine's
-    monotonic clock: returns (the seconds this worker waited for the last to
-    arrive, the last one's rank).  (``peer.ready`` waits, in slices, with the
-    run's --timeout.)  2014 signalled through two ``multiprocessing.Queue(1)``,
-    which join the children of one process only and wait for ever; a zmq
-    wait times out, so a worker sees a peer that died."""
+    from each, so that nobody goes on before the last has arrived.  A message
+    holds the barrier's number (all must be at the same) and when its sender
+    arrived: returns (the seconds I waited for the last, its rank).  2014
+    signalled through ``multiprocessing.Queue``s, which join one process's
+    children only and wait for ever; ``peer.ready`` times out (--timeout)."""
     peer.barriers += 1
     arrived, what = time.perf_counter(), f"barrier {peer.barriers}"
     for other, socket in peer.sockets.items():
@@ -292,26 +236,17 @@ def barrier(peer):
 
 class HostOrdered(Trainer):
     """``--sync host``: the 2014 loop.  The host waits for its device after
-    each phase and the workers meet at zmq barriers, so the host clock can
-    time every phase (``StepClock``, wrapped once around each)."""
+    each phase and the workers meet at zmq barriers, so each phase is timed."""
 
     def __init__(self, rank, world, model, device, peer, rundir, avg, staged, check,
                  average_every=1):
         super().__init__(rank, world, model, peer, check, average_every)
-        self.device, self.peer, self.clock = device, peer, StepClock()
-        layout = Layout.of(model.params)
-        self.transport = transport(device, rundir, rank, world, layout, staged)
+        self.device, self.peer = device, peer
+        self.transport = transport(device, rundir, rank, world, Layout.of(model.params), staged)
         self.mean = self.make_average(avg, self.transport.layout)
         model.warm_up(self.mean, put=device.put)
         self.route = f"{self.transport.route}, ordered by the host, --avg {avg}"
-        # the six phases, each timed; the fault tests' hook only where DUAL_MLP_FAULT asks
-        clock, nbytes = self.clock, self.transport.layout.nbytes
-        self.train = clock.timed("train", hooked(rank, "train", self.train_on, stops=True))
-        self.publish = clock.timed("publish", self.transport.publish, bytes=nbytes)
-        self.signal = clock.timed("signal", functools.partial(barrier, peer), waits=True)
-        self.copy = clock.timed("copy", hooked(rank, "exchange", self.transport.fetch),
-                                bytes=nbytes)
-        self.average = clock.timed("average", self.average_all)
+        self.clock = StepClock(rank, self.transport.layout.nbytes)  # runs and times each phase
 
     def handshake(self):
         """Swap the send buffers' handles once, as 2014's ``send_pyobj`` and
@@ -322,18 +257,21 @@ class HostOrdered(Trainer):
         self.read_where_received()
 
     def epoch(self, n_steps):
+        phase, transport, peer = self.clock.phase, self.transport, self.peer
         for step in range(n_steps):
             # start-snippet: the step (README.md quotes it)
-            new = self.train(minibatch(step, self.rank, self.world, self.n_steps))  # 1. my own
+            i = minibatch(step, self.rank, self.world, self.n_steps)  # k, k + N, ... of N
+            new = phase("train", self.train_on, i)  # 1. one SGD step on my own minibatch
             if not averages_after(step, n_steps, self.average_every):
-                continue        # local SGD (--average-every H): H steps of my own, then 2.-6.
-            self.publish(new)   # 2. my new weights into my send buffer (GPU: memcpy_dtod_async)
-            self.signal()       # 3. zmq: "published" to every other worker; wait for theirs
-            self.copy()         # 4. GPU: every send buffer into my receive buffer, peer to peer;
-            #                     CPU: my share of the mean, summed from every mapped send buffer
-            self.signal()       # 5. zmq: "copied": the others may overwrite their send buffers
-            self.average()      # 6. my weights = the mean of everyone's, summed in rank order
-            #                     (CPU: the mean as the copies left it, read where it lies)
+                continue  # local SGD (--average-every H): H steps of my own, then 2.-6.
+            phase("publish", transport.publish, new)  # 2. my weights into my send buffer
+            #     (GPU: drv.memcpy_dtod_async; CPU: a mapped file, which the others map too)
+            phase("signal", barrier, peer)       # 3. zmq: "published"; wait for every other
+            phase("copy", transport.fetch)       # 4. GPU: every send buffer into my receive
+            #     buffer, peer to peer; CPU: my share of the mean, from every mapped send buffer
+            phase("signal", barrier, peer)       # 5. zmq: "copied": each may overwrite its own
+            phase("average", self.average_all)   # 6. my weights = the mean, in rank order
+            #     (CPU: the mean as the copies left it, read where it lies)
             # end-snippet: the step
             self.averages += 1
             self.check_replicas()
@@ -345,10 +283,8 @@ class HostOrdered(Trainer):
         return self.written()
 
     def average_all(self):
-        """6. Every parameter set to the mean of everyone's (``--avg``): N
-        workers, where 2014 had two, each summing every replica, its own too,
-        in rank order (2014: ``param + param_other`` on each side), so that
-        every replica gets the same bits."""
+        """6. Every parameter set to the mean of everyone's (``--avg``), summed
+        in rank order everywhere (2014: ``param + param_other``): the same bits."""
         self.mean()
         return self.written()
 
@@ -360,10 +296,8 @@ class HostOrdered(Trainer):
         return new
 
     def make_average(self, kind, layout):
-        """The ``--avg`` variants; each sets every parameter to the mean of
-        every worker's, read from the transport's ``received`` buffers (the
-        receive buffer the copies went into, or on a CPU every worker's own
-        send buffer, mapped)."""
+        """The ``--avg`` variants: every parameter set to the mean of every
+        worker's, from where the copies left it (the transport's ``received``)."""
         params, device = self.model.params, self.device
         if kind == "theano":  # as in 2014: a compiled function whose updates are the means
             self.everyone = [pytensor.shared(np.zeros(b.size, layout.dtype), name=f"all{i}")
@@ -387,23 +321,12 @@ class HostOrdered(Trainer):
         return through_host
 
     def read_where_received(self):
-        """The compiled average's inputs: the transport's buffers themselves,
-        read in place (no copy), as they are after the handshake."""
+        """The compiled average's inputs: the transport's buffers, read in place."""
         for shared, buffer in zip(getattr(self, "everyone", ()), self.transport.received):
             place(shared, self.device.alias(buffer))
 
     def weights(self):
         return [self.device.to_host(storage(p)) for p in self.model.params]
-
-    def step_us(self, steps):
-        return self.clock.step_us(steps)
-
-    def trace(self, tracer):
-        super().trace(tracer)
-        self.clock.tracer = tracer
-
-    def report(self):
-        return dict(super().report(), exchange_s=self.clock.exchange_s())
 
     def close(self):
         self.transport.close()
@@ -414,12 +337,10 @@ class HostOrdered(Trainer):
 
 class GpuOrdered(DeviceOrdered):
     """``--sync gpu``: the exchange as one kernel on this GPU's stream, inside
-    the step (``multi_gpu/stream_exchange.cu``).  ``exchange`` makes this
-    worker's side of it: ``StreamExchange``, or a stand-in on a CPU.  Where
-    2014's host waited after each phase, the GPUs order them: the kernel
-    applies the SGD update as it publishes, signals by writing counters into
-    the other GPUs' memory, and copies and averages in one pass, while the
-    host queues calls of K steps (``--steps-per-call``) and runs ahead."""
+    the step (``StreamExchange``, or a stand-in on a CPU).  The GPUs order
+    the phases: the kernel applies the SGD update as it publishes, signals by
+    writing counters into the other GPUs' memory, and copies and averages in
+    one pass, while the host queues calls of K steps and runs ahead."""
 
     route = "CUDA IPC, peer to peer, ordered by the GPUs"
 
@@ -454,20 +375,15 @@ class GpuOrdered(DeviceOrdered):
         self._weights(*self.state)  # compiled now, not in the first epoch
 
     def program(self, steps):
-        """Compiled, not run (no peer yet): ``jit``'s own cache keeps what
-        ``compile`` made, and a call of the jitted function takes JAX's fast
-        dispatch, which a compiled-ahead program with a callback in it does
-        not (about 180 us of host per call more on an H200 host).  The whole
-        state is donated and the program returns nothing else, so XLA writes
-        every step into the same buffers: the exchange's captured launch
-        stays valid, and XLA replays its recorded steps as they are.  The host
-        learns which steps are done from the exchange's counter in host
-        memory.  With ``--average-every H`` the call's steps come in rounds
-        of H - 1 of the worker's own and one with the kernel."""
+        """Compiled, not run (no peer yet): a call of the jitted function takes
+        JAX's fast dispatch (a compiled-ahead one with a callback costs about
+        180 us more of host per call on an H200 host).  The whole state is
+        donated and nothing else returned, so XLA writes every step into the
+        same buffers and the exchange's captured launch stays valid."""
         import jax
         program = jax.jit(local_sgd(self.own_step, self.one_step, steps, self.average_every),
                           donate_argnums=tuple(range(1, 1 + len(self.state))))
-        with devices.not_kept(jax):
+        with xla_cache.not_kept(jax):
             program.lower(self.data, *self.state).compile()
         return program
 
@@ -485,33 +401,25 @@ class GpuOrdered(DeviceOrdered):
         return self._weights(*self.state)
 
     def trace(self, tracer):
-        """--trace; on a GPU the kernel stamps its own phases, in a ring that
-        holds every step the host may be ahead by, and the GPU's clock is
-        read beside the host's now and at the end."""
+        """--trace; on a GPU the kernel stamps its own phases (``StreamExchange.trace``)."""
         super().trace(tracer)
         if hasattr(self.exchange, "trace"):  # the stand-ins on CPUs have no GPU clock
             self.exchange.trace((AHEAD + 2) * averages_in(self.steps_per_call,
                                                           self.average_every))
-            self.clock_at_start, self.stamped = self.exchange.read_clock(), []
-
-    stamped = None  # --trace on a GPU: (step, call, the kernel's stamps) of each traced exchange
 
     def device_spans(self, marker, step, steps, call, start, now):
-        """The kernel's stamps of the call's exchanges, kept for ``finish``,
-        which puts them on the host's clock."""
-        if self.stamped is None:
+        """The kernel's stamps of the call's exchanges, for ``finish`` to draw."""
+        if getattr(self.exchange, "stamps", None) is None:
             return super().device_spans(marker, step, steps, call, start, now)
-        if self.tracer.traces(step, steps):
-            at = [step + i for i in range(steps) if averages_after(i, steps, self.average_every)]
-            self.stamped += [(s, call, self.exchange.stamp(n))
-                             for s, n in zip(at, range(marker - len(at) + 1, marker + 1))]
+        if self.tracer.traces(step, steps):  # the steps that end on an exchange
+            self.exchange.keep_stamps([step + i for i in range(steps) if
+                                       averages_after(i, steps, self.average_every)], marker, call)
 
     def finish(self):  # both GPUs are done: neither send buffer is read any more
         barrier(self.link)
         self.exchange_steps = self.exchange.steps_done()
-        if self.stamped is not None:  # the stamps onto the host's clock, read once more
-            trace.kernel_spans(self.tracer, self.stamped, self.rank, self.exchange.layout.nbytes,
-                               self.clock_at_start, self.exchange.read_clock())
+        if getattr(self.exchange, "stamps", None) is not None:
+            self.exchange.draw_stamps(self.tracer, self.rank)
         self.exchange.close()
 
     def report(self):
@@ -519,9 +427,8 @@ class GpuOrdered(DeviceOrdered):
 
 
 class XlaOrdered(DeviceOrdered):
-    """``--exchange xla``: the mean over all workers as an XLA all-reduce,
-    inside the step, which JAX's distributed runtime runs (NCCL between GPUs,
-    gloo between CPUs): for several machines, or more GPUs than two."""
+    """``--exchange xla``: the mean as an XLA all-reduce inside the step, run by
+    JAX's distributed runtime (NCCL, or gloo on CPUs): several machines, or GPUs past two."""
 
     route = "an XLA all-reduce (JAX's distributed runtime)"
 
@@ -594,22 +501,16 @@ def worker(args, rank, world, dev, rundir, watchdog):
     say = print if rank % len(args.devices) == 0 else (lambda *a, **k: None)
     with ExitStack() as cleanup:
         # JAX's distributed runtime must start before anything else touches JAX
-        xla = XlaExchange(args.jax_coordinator, world, rank, args.timeout, dev == "cpu",
-                          args.one_machine) \
-            if args.exchange == "xla" else None
-        device = devices.open_device(dev, jax_on_cpu=xla is not None)
+        xla = args.exchange == "xla" and XlaExchange(args.jax_coordinator, world, rank,
+                                                     args.timeout, dev == "cpu", args.one_machine)
+        device = devices.open_device(dev, jax_on_cpu=bool(xla))
         cleanup.callback(device.close)
-        # the data set as the launcher checked it (its copy in the run folder), resident
-        # on the device
+        # the data set as the launcher checked it (its copy in the run folder), on the device
         data = load_data(args.dataset_copy, put=device.put)
         with cli.heartbeat(report.compiling("the model", device.mode, device.name), say):
             model = mlp.Model(data, args.batch_size, args.n_hidden, args.learning_rate, args.l1,
                               args.l2, args.seed, mode=device.mode, evaluates=rank == 0)
-            progress = records.Progress(model.get_params())
-            if args.resume:
-                current, progress = records.Progress.resume(args.resume_copy,  # as checked
-                                                            Layout.of(model.params).shapes)
-                model.set_params(current)
+            progress = records.Progress.begin(model, args.resume and args.resume_copy)
             for p in model.params:
                 place(p, device.put(storage(p)))
             stop_point(rank, "start")
@@ -626,30 +527,23 @@ def worker(args, rank, world, dev, rundir, watchdog):
             say(f"... resumed from {args.resume} at epoch {progress.epoch}")
 
         n_steps = trainer.n_steps
-        say(f"... training: {world} workers on {', '.join(args.devices)}"
-            f"{f' x {args.nodes} nodes' if args.nodes > 1 else ''}, {args.batch_size} images per "
-            f"worker per step, {cli.counted(n_steps, 'step')} per epoch; weights through "
-            f"{trainer.route}")
+        say(report.training(args, world, n_steps, trainer.route))
         start_time = time.perf_counter()
         for epoch in range(progress.epoch + 1, args.epochs + 1):
             epoch_start = time.perf_counter()
             trainer.epoch(n_steps)
             epoch_time = time.perf_counter() - epoch_start
             progress.trained(n_steps, epoch_time)
+            samples_per_s = world * n_steps * args.batch_size / epoch_time
             if rank != 0:  # worker 0 validates and keeps the checkpoint
-                say(report.trained(args, epoch, n_steps, world * n_steps * args.batch_size /
-                                   epoch_time))
+                say(report.trained(args, epoch, n_steps, samples_per_s))
                 continue
             trainer.to_model()
             report.check_finite(model.get_params(), epoch, args.learning_rate, args.l1, args.l2)
             with trace.timed(tracer, "validate"):  # drawn at the step the others wait there
                 progress.validated(epoch, float(model.validate_model()), model.test_model,
                                    model.get_params)
-            minibatches = cli.counted(world * n_steps, "minibatch", "minibatches")
-            say(f"epoch {epoch}/{args.epochs}: {cli.counted(n_steps, 'step')} per worker "
-                f"({minibatches} of {args.batch_size}), validation error "
-                f"{progress.validation_errors[-1] * 100.:.2f} %  "
-                f"({world * n_steps * args.batch_size / epoch_time:,.0f} samples/s)")
+            say(report.validated(args, epoch, n_steps, world, progress, samples_per_s))
             if args.save:
                 progress.save(args.save, model.get_params(), args.trained_with)
         trainer.finish()
@@ -694,56 +588,9 @@ def parse_args(argv=None):
                    help="one worker per device, at least two, each a GPU index or 'cpu' "
                         "(default: 0 1 when two GPUs are usable, else cpu cpu); '0 0' puts "
                         "two workers on one GPU")
-    p.add_argument("--epochs", type=cli.positive_int,
-                   help=f"passes over the training set (default: {EPOCHS}; with --resume, "
-                        "those the checkpoint's run asked for)")
-    p.add_argument("--batch-size", type=cli.positive_int, default=None,
-                   help=f"minibatch size per worker (default: {BATCH_SIZE}; "
-                        f"{SHIPPED_BATCH_SIZE} on the shipped digits)")
-    p.add_argument("--learning-rate", type=cli.positive, default=LEARNING_RATE,
-                   help="SGD step size (default: %(default)s)")
-    p.add_argument("--n-hidden", type=cli.positive_int, default=N_HIDDEN,
-                   help="hidden units (default: %(default)s)")
-    p.add_argument("--l1", type=cli.non_negative, default=L1,
-                   help="L1 weight penalty (default: %(default)s)")
-    p.add_argument("--l2", type=cli.non_negative, default=L2,
-                   help="squared L2 weight penalty (default: %(default)s)")
-    p.add_argument("--dataset", metavar="PATH", type=cli.dataset,
-                   help="mnist.pkl.gz or a folder of MNIST-format IDX files, e.g. "
-                        "/usr/share/datasets/fashion-mnist (default: ./mnist.pkl.gz if "
-                        "present, else the 5,000 digits shipped in data/)")
-    p.add_argument("--exchange", choices=("p2p", "xla"),
-                   help="how the replicas average: 'p2p' the 2014 exchange among the workers "
-                        "of one machine (PyCUDA peer-to-peer copies, or host memory on CPUs); "
-                        "'xla' a pmean inside the compiled step, through JAX's distributed "
-                        "runtime (default: p2p for two workers and for CPUs, xla for more "
-                        "GPUs and for several machines)")
-    p.add_argument("--sync", choices=("gpu", "host"),
-                   help="p2p: who orders the exchange; 'gpu' the GPUs, on their streams, "
-                        "the host never waiting within a step; 'host' the 2014 loop, the host "
-                        "waiting for each phase (default: gpu on GPUs, host on CPUs; "
-                        "workers sharing a GPU run it only when asked, time-sliced)")
-    p.add_argument("--avg", choices=("theano", "pycuda", "cpu"),
-                   help="--sync host: how to average; 'theano' a compiled PyTensor function "
-                        "whose updates are the means (the default on GPUs, as in 2014); "
-                        "'pycuda' in place on the buffers (a CUDA kernel on GPUs; on CPUs, "
-                        "where the workers sum the mean into one shared buffer, each its "
-                        "share, the weights read it where it lies: the default there, "
-                        "measured fastest); 'cpu' through host memory")
-    p.add_argument("--average-every", type=cli.positive_int, default=1, metavar="H",
-                   help="average the replicas every H steps (local SGD): each worker takes H "
-                        "SGD steps on its own minibatches, then all average; an epoch always "
-                        "ends on an average (default: 1, the 2014 demo: after every step)")
-    p.add_argument("--seed", type=cli.seed, default=SEED,
-                   help="weight initialisation seed (default: %(default)s)")
-    p.add_argument("--staged", action="store_true",
-                   help="GPUs: copy the weights through host memory, the fallback used "
-                        "where the two GPUs cannot reach each other's memory")
-    p.add_argument("--steps-per-call", type=cli.positive_int, metavar="K",
-                   help="--sync gpu and --exchange xla: K steps in one compiled call, so that "
-                        "the host queues a call, not a step, and a small step is not bound by "
-                        "the host (default: " + str(STEPS_PER_CALL) + ", at most an epoch); the "
-                        "host-ordered loop takes one step per call")
+    cli.add_training_options(p, EPOCHS, BATCH_SIZE, LEARNING_RATE, SHIPPED_BATCH_SIZE)
+    cli.add_model_options(p, N_HIDDEN, L1, L2, SEED)
+    cli.add_exchange_options(p, CHOICES, STEPS_PER_CALL)  # --exchange, --sync, --avg, ...
     cli.add_run_options(p, TIMEOUT)  # --save, --trace, --timeout, --nodes, ...: the plumbing's
     return p.parse_args(argv)
 

@@ -245,14 +245,7 @@ def main(argv=None):
     parser = tutorial.parser("Train the tutorial's MLP on one process (on a GPU with "
                              "THEANO_FLAGS=device=cuda0).", epochs=10, batch_size=20,
                              learning_rate=0.01)
-    parser.add_argument("--n-hidden", type=tutorial.positive_int, default=500,
-                        help="hidden units (default: %(default)s)")
-    parser.add_argument("--l1", type=tutorial.non_negative, default=0.0,
-                        help="L1 weight penalty (default: %(default)s)")
-    parser.add_argument("--l2", type=tutorial.non_negative, default=0.0001,
-                        help="squared L2 weight penalty (default: %(default)s)")
-    parser.add_argument("--seed", type=tutorial.seed, default=1234,
-                        help="weight initialisation seed, 0 to 2**32 - 1 (default: %(default)s)")
+    tutorial.add_model_options(parser, n_hidden=500, l1=0.0, l2=0.0001, weights_seed=1234)
     parser.add_argument("--save", metavar="PATH", type=tutorial.writable,
                         help="write the final model (.npz) here")
     parser.add_argument("--json", metavar="PATH", type=tutorial.writable,

@@ -6,7 +6,7 @@
 The copy each step of ``--sync host`` makes, alone.  Two processes,
 each bound to one GPU as ``dual_mlp.py``'s workers are: the first allocates
 a buffer with PyCUDA and sends its CUDA IPC handle over the project's zmq
-link (``links.Peer``); the second opens it and times device-to-device
+link (``trainer.Peer``); the second opens it and times device-to-device
 copies from it into its own memory (the peer-to-peer pull every step of the
 demo makes), with CUDA events on the copying stream.  Beside it, the same
 copies in one process that sees both GPUs (a plain peer copy).  Sizes from
@@ -113,7 +113,7 @@ def primary_context(drv, index):
 def owner(args):
     """Process 1: holds the source buffer and shares it by CUDA IPC."""
     import pycuda.driver as drv
-    from multi_gpu.links import Peer
+    from multi_gpu.trainer import Peer
     from multi_gpu.worker import stopping
     drv.init()
     context = primary_context(drv, 0)
@@ -131,7 +131,7 @@ def owner(args):
 def reader(args):
     """Process 2: opens the owner's buffer and times copies out of it."""
     import pycuda.driver as drv
-    from multi_gpu.links import Peer
+    from multi_gpu.trainer import Peer
     from multi_gpu.worker import stopping
     drv.init()
     context = primary_context(drv, 0)
@@ -259,7 +259,8 @@ def exchange_worker(args):
     (the GPU's)."""
     import pycuda.driver as drv
     from dual_mlp import barrier
-    from multi_gpu.links import Layout, Peer
+    from multi_gpu.links import Layout
+    from multi_gpu.trainer import Peer
     from multi_gpu.worker import stopping
     from multi_gpu.stream_exchange import StreamExchange
     drv.init()

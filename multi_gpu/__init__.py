@@ -1,18 +1,23 @@
 """The plumbing of ``dual_mlp.py``: what the lesson calls by name, one module each.
 
-``trainer``          what the trainers share: the replica check, the loop of K steps a call,
-                     the step clock, which minibatch a worker takes
+``trainer``          what a step calls: the zmq sockets between workers (``Peer``), the step
+                     clock, which minibatch a worker takes, the replica check, the loop of K
+                     steps a call
 ``stream_exchange``  the GPU-ordered exchange: ``stream_exchange.cu`` compiled by PyCUDA,
                      launched inside XLA's step
-``links``            the zmq links between workers, the transports through host memory,
-                     the XLA exchange (JAX's distributed runtime)
+``links``            the flat layout of the weights, the XLA exchange (JAX's distributed
+                     runtime), the staged transport through host memory
 ``devices``          where a worker's arrays live: the CPU, a JAX device, a GPU
-``launcher``         the launcher's side: checks, starts and supervises (and restarts) the
-                     workers
+``memory``           the memory a worker may still take (the machine, cgroups, ulimit -v)
+``xla_cache``        XLA's persistent cache of compiled programs
+``request``          the launcher's checks of the request, and the run it prepares
+``launcher``         the launcher's side: forks and supervises (and restarts) the workers
 ``nodes``            several machines: the run's secret, node 0's lobby, the nodes' heartbeats
 ``worker``           the worker's side: stop signals, orphans, the watchdog
 ``report``           worker 0's words: the summary, a run that diverged
 ``records``          what a run leaves: checkpoints, the learning curve, the JSON summary
+``trace``            --trace: each phase a span, the timeline's JSON and its picture
+``files``            the run's private folder; outputs written whole, or not at all
 ``datasets``         data readers (pickle, IDX), the shipped digits (``python -m
                      multi_gpu.datasets``)
 ``flags``            THEANO_FLAGS onto PyTensor's flags: every module imports it first

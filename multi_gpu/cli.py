@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 
-from multi_gpu import devices, files
+from multi_gpu import files, xla_cache
 
 
 class UsageError(Exception):
@@ -166,17 +166,42 @@ def dataset(path):
 
 
 def tutorial_parser(description, epochs, batch_size, learning_rate):
-    """The options the tutorial's two scripts share, with their defaults."""
+    """The parser of the tutorial's two scripts, with their training options."""
     parser = Parser(description=description)
-    parser.add_argument("--dataset", type=dataset, help="mnist.pkl.gz or a folder of IDX files "
-                        "(default: ./mnist.pkl.gz, else the shipped 5,000 digits)")
-    parser.add_argument("--epochs", type=positive_int, default=epochs,
-                        help="passes over the training set (default: %(default)s)")
-    parser.add_argument("--batch-size", type=positive_int, default=batch_size,
-                        help="minibatch size (default: %(default)s)")
-    parser.add_argument("--learning-rate", type=positive, default=learning_rate,
-                        help="SGD step size (default: %(default)s)")
+    add_training_options(parser, epochs, batch_size, learning_rate)
     return parser
+
+
+def add_training_options(p, epochs, batch_size, learning_rate, shipped_batch_size=None):
+    """What to train on, and how long: the tutorial's options.  With
+    ``shipped_batch_size`` (dual_mlp.py), a minibatch is each worker's, that
+    size on the shipped digits, and a checkpoint may say the epochs."""
+    workers = shipped_batch_size is not None
+    p.add_argument("--epochs", type=positive_int, default=None if workers else epochs,
+                   help=f"passes over the training set (default: {epochs}"
+                        + ("; with --resume, those the checkpoint's run asked for)" if workers
+                           else ")"))
+    p.add_argument("--batch-size", type=positive_int, default=None if workers else batch_size,
+                   help=f"minibatch size{' per worker' if workers else ''} (default: {batch_size}"
+                        + (f"; {shipped_batch_size} on the shipped digits)" if workers else ")"))
+    p.add_argument("--learning-rate", type=positive, default=learning_rate,
+                   help="SGD step size (default: %(default)s)")
+    p.add_argument("--dataset", metavar="PATH", type=dataset,
+                   help="mnist.pkl.gz or a folder of MNIST-format IDX files, e.g. "
+                        "/usr/share/datasets/fashion-mnist (default: ./mnist.pkl.gz if "
+                        "present, else the 5,000 digits shipped in data/)")
+
+
+def add_model_options(p, n_hidden, l1, l2, weights_seed):
+    """The MLP's own options, which the tutorial's script and dual_mlp.py share."""
+    p.add_argument("--n-hidden", type=positive_int, default=n_hidden,
+                   help="hidden units (default: %(default)s)")
+    p.add_argument("--l1", type=non_negative, default=l1,
+                   help="L1 weight penalty (default: %(default)s)")
+    p.add_argument("--l2", type=non_negative, default=l2,
+                   help="squared L2 weight penalty (default: %(default)s)")
+    p.add_argument("--seed", type=seed, default=weights_seed,
+                   help="weight initialisation seed, 0 to 2**32 - 1 (default: %(default)s)")
 
 
 def writable(path):
@@ -256,7 +281,7 @@ def heartbeat(what, say=print, every=10.0):
     meanwhile: a compile makes hundreds of thousands of graph objects, most
     of them kept, and the collector's passes over them cost a tenth of it."""
     say(f"... {what}")
-    start, done, cache = time.perf_counter(), threading.Event(), dict(devices.CACHE)
+    start, done, cache = time.perf_counter(), threading.Event(), dict(xla_cache.CACHE)
 
     def beat():
         while not done.wait(every):
@@ -277,17 +302,17 @@ def heartbeat(what, say=print, every=10.0):
 
 def compiled(seconds, before):
     """How the block of ``heartbeat`` ended: compiled, or loaded from XLA's
-    persistent cache (``devices.CACHE`` against its counts ``before``)."""
-    hits, misses = (devices.CACHE[k] - before.get(k, 0) for k in ("hits", "misses"))
+    persistent cache (``xla_cache.CACHE`` against its counts ``before``)."""
+    hits, misses = (xla_cache.CACHE[k] - before.get(k, 0) for k in ("hits", "misses"))
     if hits and not misses:
-        return (f"loaded from XLA's cache ({tilde(devices.jax_cache_folder())}) in "
+        return (f"loaded from XLA's cache ({tilde(xla_cache.jax_cache_folder())}) in "
                 f"{seconds:.1f} s, nothing compiled ({counted(hits, 'program')} read in "
-                f"{devices.CACHE['loading_s'] - before.get('loading_s', 0):.1f} s)")
+                f"{xla_cache.CACHE['loading_s'] - before.get('loading_s', 0):.1f} s)")
     cached = "" if not hits else \
         f" ({misses} compiled, {hits} read from XLA's cache as this run filled it)" \
-        if devices.CACHE["empty_at_start"] else \
+        if xla_cache.CACHE["empty_at_start"] else \
         f" ({hits} of {counted(hits + misses, 'program')} from XLA's cache)"
-    problem = devices.cache_problem()
+    problem = xla_cache.cache_problem()
     return f"compiled in {seconds:.1f} s{cached}" + (f"; note: {problem}" if problem else "")
 
 
@@ -308,6 +333,43 @@ def backend_name(mode=None):
     linker = type(pytensor.compile.mode.get_mode(mode).linker).__name__
     return {"NumbaLinker": "Numba", "JAXLinker": "JAX", "CLinker": "C", "VMLinker": "C",
             "PerformLinker": "Python"}.get(linker, linker)
+
+
+def add_exchange_options(p, choices, steps_per_call):
+    """How the replicas average: the options of dual_mlp.py's exchange, their
+    defaults by hardware from ``choices`` (its ``CHOICES``)."""
+    def by_hardware(option):
+        return ", ".join(f"{value} on {kind.upper()}s" for kind, value in choices[option].items())
+    p.add_argument("--exchange", choices=("p2p", "xla"),
+                   help="how the replicas average: 'p2p' the 2014 exchange among the workers "
+                        "of one machine (PyCUDA peer-to-peer copies, or host memory on CPUs); "
+                        "'xla' a pmean inside the compiled step, through JAX's distributed "
+                        "runtime (default: p2p for two workers and for CPUs, xla for more "
+                        "GPUs and for several machines)")
+    p.add_argument("--sync", choices=("gpu", "host"),
+                   help="p2p: who orders the exchange; 'gpu' the GPUs, on their streams, "
+                        "the host never waiting within a step; 'host' the 2014 loop, the host "
+                        "waiting for each phase (default: " + by_hardware("sync") + "; workers "
+                        "sharing a GPU run 'gpu' only when asked, time-sliced)")
+    p.add_argument("--avg", choices=("theano", "pycuda", "cpu"),
+                   help="--sync host: how to average; 'theano' a compiled PyTensor function "
+                        "whose updates are the means (as in 2014); 'pycuda' in place on the "
+                        "buffers (a CUDA kernel on GPUs; on CPUs, where the workers sum the mean "
+                        "into one shared buffer, each its share, the weights read it where it "
+                        "lies); "
+                        "'cpu' through host memory (default: " + by_hardware("avg") + ")")
+    p.add_argument("--average-every", type=positive_int, default=1, metavar="H",
+                   help="average the replicas every H steps (local SGD): each worker takes H "
+                        "SGD steps on its own minibatches, then all average; an epoch always "
+                        "ends on an average (default: 1, the 2014 demo: after every step)")
+    p.add_argument("--staged", action="store_true",
+                   help="GPUs: copy the weights through host memory, the fallback used "
+                        "where the two GPUs cannot reach each other's memory")
+    p.add_argument("--steps-per-call", type=positive_int, metavar="K",
+                   help="--sync gpu and --exchange xla: K steps in one compiled call, so that "
+                        "the host queues a call, not a step, and a small step is not bound by "
+                        "the host (default: " + str(steps_per_call) + ", at most an epoch); the "
+                        "host-ordered loop takes one step per call")
 
 
 def add_run_options(p, timeout):

@@ -42,7 +42,7 @@ import zlib
 
 import numpy as np
 
-from multi_gpu import devices, files
+from multi_gpu import files, memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 SHIPPED = os.path.join(ROOT, "data", "mnist_5k.pkl.gz")
@@ -210,11 +210,11 @@ def opened(path):
 
 def room_for(what):
     """The most bytes a data file may expand to here: a share of the memory
-    this process may still take (``devices.available_memory``, which counts
+    this process may still take (``memory.available_memory``, which counts
     a container's limit), so that a file that expands without end (a gzip
     bomb: a few MB that expand to GB) is refused, not read until the kernel
     ends the process without a word."""
-    available = devices.available_memory()
+    available = memory.available_memory()
     return (8 << 30 if available is None else available) // what
 
 

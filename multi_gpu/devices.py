@@ -17,16 +17,13 @@ back to NumPy, so that data and weights stay on the device: a shared
 variable holding a NumPy array is sent to the GPU again at every call.
 """
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags
-import collections
-import contextlib
-import math
-import os
 import platform
-import resource
 import shutil
 import warnings
 
 import numpy as np
+
+from multi_gpu.xla_cache import keep_compiled_programs
 
 
 def storage(shared):
@@ -52,107 +49,6 @@ def cpu_backend():
     programs for the next run (``keep_compiled_programs``), and steps about
     as fast (bench/first_run.py measures all three)."""
     return "JAX" if flags.MODE in CPU_DEFAULT_MODES else "flags"
-
-
-def memory_problem(shapes, workers=1, data_values=0):
-    """Why this machine's memory cannot hold the MLP of parameter ``shapes``
-    in ``workers`` processes beside ``data_values`` float32 values of data
-    each, or None (also where nothing tells: not Linux).  Said before any
-    process builds it, for a model too big ends in the kernel's OOM killer
-    (exit 137, no word), not in a MemoryError: each process keeps its
-    replica about 8 times over (weights, gradients, updated weights, best
-    weights, the exchange's buffers, its checkpoint's copies)."""
-    available = available_memory()
-    if available is None:
-        return None
-    each = 8 * 4 * sum(math.prod(s) for s in shapes) + 4 * data_values
-    if workers * each <= available:
-        return None
-    needs = f"{each / 2**30:.1f} GiB"
-    if workers > 1:
-        needs += f" a worker, {workers * each / 2**30:.1f} GiB for {workers}"
-    return (f"the model with --n-hidden {shapes[0][1]} needs about {needs}; this machine has "
-            f"{available / 2**30:.1f} GiB available: a smaller --n-hidden" +
-            (", or fewer workers" if workers > 1 else ""))
-
-
-def available_memory():
-    """Bytes this process may still take, or None where nothing tells: the
-    machine's available memory, or less where a container's limit (a memory
-    cgroup, v1 or v2, this process's and its parents') leaves less: there
-    the kernel's OOM killer ends a process long before the machine is full;
-    or less where the process's own ``ulimit -v`` (what batch schedulers
-    set) leaves less, past which an allocation is a MemoryError."""
-    available = proc_bytes("/proc/meminfo", "MemAvailable")
-    if available is None:
-        return None
-    for headroom in (*cgroup_headrooms(), address_space_left()):
-        if headroom is not None:
-            available = min(available, headroom)
-    return max(0, available)
-
-
-def address_space_left():
-    """Bytes this process may still map under its ``ulimit -v`` (RLIMIT_AS),
-    or None where it has none."""
-    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
-    mapped = None if limit == resource.RLIM_INFINITY else proc_bytes("/proc/self/status",
-                                                                       "VmSize")
-    return None if mapped is None else limit - mapped
-
-
-def proc_bytes(path, key):
-    """The bytes a line ``KEY: N kB`` of Linux's ``path`` gives, or None."""
-    try:
-        with open(path) as f:
-            return next(int(line.split()[1]) << 10 for line in f if line.startswith(key + ":"))
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
-def cgroup_headrooms():
-    """For each memory cgroup this process is in, and each parent: its limit
-    less what its members use (file pages that could be dropped aside)."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
-        return
-    for _, controllers, path in lines:
-        if controllers == "":      # v2: limit memory.max, use memory.current
-            root, limit, use = "/sys/fs/cgroup", "memory.max", "memory.current"
-        elif "memory" in controllers.split(","):  # v1
-            root, limit, use = ("/sys/fs/cgroup/memory", "memory.limit_in_bytes",
-                                "memory.usage_in_bytes")
-        else:
-            continue
-        folder = os.path.join(root, path.lstrip("/"))
-        if not os.path.isdir(folder):  # a container sees its own cgroup as the root
-            folder = root
-        while folder.startswith(root):
-            room = headroom(folder, limit, use)
-            if room is not None:
-                yield room
-            if folder == root:
-                break
-            folder = os.path.dirname(folder)
-
-
-def headroom(folder, limit, use):
-    """One cgroup's limit less what its members use (its file pages that
-    could be dropped aside), or None where it has no limit."""
-    try:
-        with open(os.path.join(folder, limit)) as f:
-            cap = f.read().strip()
-        with open(os.path.join(folder, use)) as f:
-            used = int(f.read())
-        with open(os.path.join(folder, "memory.stat")) as f:
-            stat = dict(line.split() for line in f if len(line.split()) == 2)
-    except (OSError, ValueError):
-        return None
-    if not cap.isdigit() or int(cap) >= 1 << 60:
-        return None
-    return int(cap) - used + int(stat.get("inactive_file", stat.get("total_inactive_file", 0)))
 
 
 def open_device(dev, jax_on_cpu=False):
@@ -309,119 +205,6 @@ def host_buffer(size, dtype):
     raw = np.zeros(size * dtype.itemsize + 64, np.uint8)
     start = -raw.ctypes.data % 64
     return raw[start:start + size * dtype.itemsize].view(dtype)
-
-
-def jax_cache_folder():
-    """Where JAX keeps what it compiled: beside PyTensor's own cache."""
-    import pytensor
-    return os.path.join(pytensor.config.base_compiledir, "jax_cache")
-
-
-# what XLA's persistent cache did in this process: programs it served ("hits"),
-# programs it had not ("misses", compiled then), and the seconds its reads took
-CACHE = collections.Counter()
-CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hits",
-                "/jax/compilation_cache/cache_misses": "misses"}
-
-
-def keep_compiled_programs(jax):
-    """JAX's persistent compilation cache, for every program (not only the
-    slow ones): a second run loads its programs instead of compiling them,
-    and ``CACHE`` counts which it did."""
-    folder = jax_cache_folder()
-    jax.config.update("jax_compilation_cache_dir", folder)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    if not CACHE:  # listen once per process
-        CACHE["listening"] = 1
-        # an empty cache serves only what this run (another worker, or this
-        # process, compiling the same program twice) has just put there
-        CACHE["empty_at_start"] = int(not (os.path.isdir(folder) and os.listdir(folder)))
-        jax.monitoring.register_event_listener(
-            lambda event, **_: CACHE.update([CACHE_EVENTS[event]] if event in CACHE_EVENTS
-                                            else []))
-
-        def loading(event, seconds, **_):
-            if event == "/jax/compilation_cache/cache_retrieval_time_sec":
-                CACHE["loading_s"] += seconds
-        jax.monitoring.register_event_duration_secs_listener(loading)
-        global CACHE_PROBLEM
-        CACHE_PROBLEM = every_cpu_process_keeps_its_programs(jax)
-
-
-CACHE_PROBLEM = None  # why not every CPU process keeps its own programs, where they do not
-
-
-def cache_problem():
-    """What XLA's cache cannot do for this process, in words, where it
-    matters: a CPU worker of JAX's distributed runtime (None elsewhere)."""
-    if CACHE_PROBLEM is None:
-        return None
-    from jax._src import distributed
-    return CACHE_PROBLEM if distributed.global_state.client is not None else None
-
-
-def cache_writer_problem(jax):
-    """Why JAX's private writer of its persistent cache is not one
-    ``every_cpu_process_keeps_its_programs`` can wrap, in words (None where
-    it is: its arguments are JAX 0.10's, or 0.12's, which dropped the
-    program's host callbacks)."""
-    import inspect
-
-    from jax._src import compiler
-    write = getattr(compiler, "_cache_write", None)
-    known = ["cache_key", "compile_time_secs", "module_name", "backend", "executable"]
-    if write is not None and list(inspect.signature(write).parameters) in (
-            known, known + ["host_callbacks"]):
-        return None
-    return (f"JAX {jax.__version__}'s private jax._src.compiler._cache_write is not the "
-            "writer this demo wraps: under --exchange xla on CPUs every worker but the first "
-            "compiles its programs again on every run")
-
-
-def every_cpu_process_keeps_its_programs(jax):
-    """JAX writes its persistent cache from process 0 alone, so that a cache
-    on shared storage does not take every process's copy of the same
-    programs.  A GPU program's key is the same in every process; a CPU
-    program's is not (the CPU topology's fingerprint names the process), so
-    under ``--exchange xla`` on CPUs every worker but the first found nothing
-    of its own and compiled all its programs again on every run (a
-    two-worker run on two cores: 7.4 s, and 4.6 s once each keeps its own).
-    Here each CPU process writes its own, by a wrapper around JAX's private
-    writer; where that is not the writer expected (``cache_writer_problem``:
-    another JAX), they compile as before, and this returns why, in words."""
-    from jax._src import compilation_cache, compiler, distributed
-    problem = cache_writer_problem(jax)
-    if problem:
-        return problem
-    write = compiler._cache_write
-
-    def own_programs_too(cache_key, compile_time_secs, module_name, backend, executable,
-                         *host_callbacks):  # JAX 0.10: one more, the program's callbacks
-        if distributed.global_state.process_id == 0 or backend.platform != "cpu" or \
-                any(host_callbacks) or \
-                compile_time_secs < jax.config.jax_persistent_cache_min_compile_time_secs:
-            return write(cache_key, compile_time_secs, module_name, backend, executable,
-                         *host_callbacks)
-        try:
-            compilation_cache.put_executable_and_time(cache_key, module_name, executable,
-                                                      backend, int(compile_time_secs))
-        except Exception as e:  # as JAX's own writer: a cache that fails costs a compile
-            warnings.warn(f"XLA's cache kept no copy of {module_name}: {e}", stacklevel=2)
-    compiler._cache_write = own_programs_too
-    return None
-
-
-@contextlib.contextmanager
-def not_kept(jax):
-    """Compile without writing to the persistent cache: a program with a
-    Python callback in it (the GPU-ordered exchange) would come back from
-    the cache without its callback."""
-    before = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
-    try:
-        yield
-    finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 def nvcc():

@@ -26,6 +26,8 @@ import stat
 import sys
 import tempfile
 
+import numpy as np
+
 
 class NotPrivate(Exception):
     """The run folder, or a file in it, is not this user's alone: one line."""
@@ -202,3 +204,12 @@ def drop_unfinished_writes():
     for tmp in list(WRITING):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+
+
+def mapped(path, layout, mode):
+    """A run-folder file of ``layout``'s floats mapped into memory
+    (``np.memmap``): ``new`` (made here, exclusively), ``r`` or ``r+``."""
+    with (new_file(path, layout.nbytes) if mode == "new" else
+          open_file(path, write=mode == "r+")) as f:
+        return np.memmap(f, layout.dtype, mode="r" if mode == "r" else "r+",
+                         shape=(layout.size,))

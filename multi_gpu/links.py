@@ -1,21 +1,20 @@
 """How the workers of ``dual_mlp.py`` meet and swap weights.
 
-The pieces, each small enough to read in one go:
-
-``Peer``
-    zmq PAIR sockets between the workers of one machine, over ``ipc://`` in
-    the run's private directory.  They carry the one-time handshake (each
-    worker's buffer handle) and, every step, ``dual_mlp.barrier``'s
-    messages: each worker sends the barrier's number to all others and waits
-    for theirs.  Every wait has a timeout (``Peer.ready``).
+The pieces, each small enough to read in one go (the zmq sockets between
+the workers of one machine, ``Peer``, are in ``trainer.py``, with the rest
+of what a step calls):
 
 ``XlaExchange`` (``--exchange xla``)
     no home-made transport at all: the workers are the processes of one JAX
     job (``jax.distributed``), and the average is a ``pmean`` that XLA runs
     with NCCL between GPUs or gloo between CPUs, inside the compiled step.
 
+``StagedCudaTransport`` (``--staged``)
+    the fallback for GPUs that cannot reach each other's memory: the
+    weights go down to a mapped file and up again.
+
 The weights of all layers travel as one flat buffer; ``Layout`` says where
-each parameter sits in it.  The transports that move it (PyCUDA's peer
+each parameter sits in it.  The transports of the lesson (PyCUDA's peer
 copies, mapped files on CPUs) are in ``dual_mlp.py``; ``stream_exchange.py``
 holds the GPU-ordered variant of the peer-to-peer exchange (``--sync gpu``);
 ``devices.py`` the devices the buffers live on.
@@ -23,92 +22,13 @@ holds the GPU-ordered variant of the peer-to-peer exchange (``--sync gpu``);
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import contextlib
 import os
-import pickle
 import sys
 import threading
-import time
 
 import numpy as np
-import zmq
 
-from multi_gpu.worker import Interrupted, quit_now, stopped_workers
-
-
-class PeerError(Exception):
-    """The other worker stalled, vanished or disagreed; one line of message."""
-
-
-class Peer:
-    """The zmq links between the workers of one machine: a PAIR socket for
-    every pair, the lower rank binding, in the run's private directory."""
-
-    def __init__(self, rundir, rank, n_workers, timeout, stopping, spin=0.0):
-        """
-        :param timeout: seconds to wait for another worker at any barrier
-        :param stopping: has is_set(); once it is set, any wait ends
-        :param spin: seconds to poll without sleeping before blocking; a
-            wake-up from a blocking wait costs tens of microseconds, which
-            matters next to a GPU step but would steal a CPU worker's core
-        """
-        self.rundir, self.rank, self.n = rundir, rank, n_workers
-        self.timeout, self.stopping, self.spin = timeout, stopping, spin
-        self.barriers = 0
-        self.context = zmq.Context()
-        self.sockets = {}  # the other worker's rank -> its socket
-        for other in range(n_workers):
-            if other == rank:
-                continue
-            socket = self.context.socket(zmq.PAIR)
-            socket.setsockopt(zmq.LINGER, 0)
-            low, high = sorted((rank, other))
-            address = "ipc://" + os.path.join(rundir, f"peer-{low}-{high}.sock")
-            (socket.bind if rank == low else socket.connect)(address)
-            self.sockets[other] = socket
-
-    def ready(self, other, event, what):
-        """Wait, in slices, until the socket to ``other`` can send or receive
-        (``event``: ``zmq.POLLOUT``, ``zmq.POLLIN``); a stop request or the
-        timeout ends the wait.  (A PAIR socket whose peer is gone blocks a
-        plain send for ever.)  A receive first spins for ``spin`` seconds."""
-        socket = self.sockets[other]
-        if event == zmq.POLLIN and self.spin:
-            spin_until = time.perf_counter() + self.spin
-            while time.perf_counter() < spin_until:
-                if socket.poll(0, event):
-                    return
-        deadline = time.monotonic() + self.timeout
-        while not socket.poll(100, event):
-            if self.stopping.is_set():
-                raise Interrupted
-            if time.monotonic() > deadline:
-                # the one that stopped, rather than one that waits for it as we do
-                late = stopped_workers(self.rundir, self.n, self.rank) or [other]
-                raise PeerError(f"worker {late[0]} did not reach {what} within "
-                                f"{self.timeout:g} s (see --timeout)")
-
-    def exchange(self, obj, what="the handshake"):
-        """Send ``obj`` to every other worker; returns every worker's, in rank
-        order, mine included (the handles, once; --check)."""
-        for other, socket in self.sockets.items():
-            self.ready(other, zmq.POLLOUT, what)
-            socket.send(pickle.dumps(obj), zmq.NOBLOCK)
-        theirs = {}
-        for other, socket in self.sockets.items():
-            self.ready(other, zmq.POLLIN, what)
-            theirs[other] = pickle.loads(socket.recv(zmq.NOBLOCK))
-        return [obj if other == self.rank else theirs[other] for other in range(self.n)]
-
-    def gather(self, array):
-        """Every worker's ``array``, stacked in rank order (for --check)."""
-        return np.stack(self.exchange(array, "the replica check"))
-
-    def close(self):
-        # Linger a moment: a message still in flight (the last --check
-        # exchange, 1.6 MB) is discarded by a close without it, and the peer
-        # then waits for it until its timeout.
-        for socket in self.sockets.values():
-            socket.close(linger=1000)
-        self.context.term()
+from multi_gpu import files
+from multi_gpu.worker import quit_now
 
 
 class Layout:
@@ -149,6 +69,40 @@ class Layout:
 def length(flat):
     """A flat buffer's number of elements: an array's, or a shared variable's value's."""
     return flat.get_value(borrow=True).size if hasattr(flat, "get_value") else flat.size
+
+
+class StagedCudaTransport:
+    """The fallback for GPUs without peer access (``--staged``): each worker
+    copies its weights down into a mapped host file (its name the handle),
+    the others copy them up into a receive buffer on their GPU."""
+
+    route = "host memory (staged)"
+
+    def __init__(self, rundir, rank, n_workers, layout, device):
+        self.layout, self.device = layout, device
+        self.path = os.path.join(rundir, f"weights{rank}.bin")
+        self.send = files.mapped(self.path, layout, "new")
+        self.send_views = layout.views(self.send)
+        self.recv = device.put(np.zeros(n_workers * layout.size, layout.dtype))
+        self.received, self.sources = [self.recv], []
+
+    def handle(self):
+        return self.path
+
+    def connect(self, handles):
+        self.sources = [files.mapped(path, self.layout, "r") for path in handles]
+
+    def publish(self, values):
+        for view, value in zip(self.send_views, values):
+            self.device.drv.memcpy_dtoh(view, self.device.pointer(value))
+
+    def fetch(self):
+        base, nbytes = self.device.pointer(self.recv), self.layout.nbytes
+        for w, source in enumerate(self.sources):
+            self.device.drv.memcpy_htod(base + w * nbytes, source)
+
+    def close(self):
+        self.sources = self.send = self.send_views = None  # unmaps
 
 
 class XlaExchange:

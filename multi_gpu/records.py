@@ -192,11 +192,16 @@ class Progress:
         self.curve, self.steps, self.train_s, self.saved = [], 0, 0.0, 0
 
     @classmethod
-    def resume(cls, path, shapes):
-        """(the checkpoint's current weights, its Progress)."""
-        current, best, state = load_checkpoint(path, shapes, TRAINING_STATE)
+    def begin(cls, model, checkpoint=None):
+        """A new run's progress; or the ``checkpoint``'s (a checked copy of
+        --resume), its current weights set in ``model``."""
+        if not checkpoint:
+            return cls(model.get_params())
+        shapes = [p.get_value(borrow=True).shape for p in model.params]
+        current, best, state = load_checkpoint(checkpoint, shapes, TRAINING_STATE)
         state.pop("config", None)  # the launcher compared it with this run's
-        return current, cls(best, **state)
+        model.set_params(current)
+        return cls(best, **state)
 
     def trained(self, steps, seconds):
         self.steps, self.train_s = self.steps + steps, self.train_s + seconds

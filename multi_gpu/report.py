@@ -7,8 +7,9 @@ import platform
 import numpy as np
 import pytensor
 
-from multi_gpu import cli, devices, records
+from multi_gpu import cli, records, xla_cache
 from multi_gpu.nodes import host_and_port
+from multi_gpu.trace import WAITING
 
 
 class Diverged(Exception):
@@ -44,11 +45,29 @@ def compiling(what, mode=None, where="cpu"):
     """What the heartbeat says while ``what`` compiles with ``mode``'s backend
     on ``where``: which backend, and how long a first run takes."""
     backend = cli.backend_name(mode)
-    first = "a few seconds" if backend == "JAX" and where == "cpu" else "a minute or so"
-    later = (f"load XLA's programs from {cli.tilde(devices.jax_cache_folder())}"
+    # as bench/README.md's first-run table has them (XLA on a GPU: seconds too)
+    first = {"JAX": "a few seconds", "Numba": "half a minute or more"}.get(backend,
+                                                                          "a minute or so")
+    later = (f"load XLA's programs from {cli.tilde(xla_cache.jax_cache_folder())}"
              if backend == "JAX" else "use the cache")
     return (f"compiling {what} with PyTensor's {backend} backend on {where} (the first run takes "
             f"{first}; later runs {later})")
+
+
+def training(args, world, n_steps, route):
+    """The line that starts the epochs: who trains, on what, how."""
+    nodes = f" x {args.nodes} nodes" if args.nodes > 1 else ""
+    return (f"... training: {world} workers on {', '.join(args.devices)}{nodes}, "
+            f"{args.batch_size} images per worker per step, {cli.counted(n_steps, 'step')} per "
+            f"epoch; weights through {route}")
+
+
+def validated(args, epoch, n_steps, world, progress, samples_per_s):
+    """Worker 0's epoch line: the steps, the validation error, the speed."""
+    minibatches = cli.counted(world * n_steps, "minibatch", "minibatches")
+    return (f"epoch {epoch}/{args.epochs}: {cli.counted(n_steps, 'step')} per worker "
+            f"({minibatches} of {args.batch_size}), validation error "
+            f"{progress.validation_errors[-1] * 100.:.2f} %  ({samples_per_s:,.0f} samples/s)")
 
 
 def trained(args, epoch, n_steps, samples_per_s):
@@ -79,8 +98,8 @@ def summarise(args, progress, trainer, n_steps, world, wall, device, say):
     say(f"Trained at {samples_per_s:,.0f} samples/s ({world} workers), {step_us['step']:.0f} us "
         "per step" + ("" if "train" not in step_us else
                       ": train {train:.0f} us, exchange {exchange:.0f} us (publish {publish:.0f} "
-                      "+ signals {signal:.0f} + copy {copy:.0f} + average {average:.0f}), waiting "
-                      "for a later worker {waiting:.0f} us".format(**step_us)))
+                      "+ signals {signal:.0f} + copy {copy:.0f} + average {average:.0f}), "
+                      f"{WAITING} {{waiting:.0f}} us".format(**step_us)))
     averaged = trainer.report()
     if averaged["average_every"] > 1:  # local SGD
         spent = (f"the exchange {averaged['exchange_s']:.2f} s in all" if "exchange_s" in averaged

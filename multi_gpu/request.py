@@ -24,7 +24,7 @@ import time
 
 import pytensor
 
-from multi_gpu import cli, datasets, devices, nodes, records
+from multi_gpu import cli, datasets, memory, nodes, records
 from multi_gpu.cli import UsageError
 from multi_gpu.nodes import check_port, free_port, host_and_port, on_loopback
 from multi_gpu.trainer import steps_per_epoch
@@ -449,7 +449,7 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call, 
                          f"{n_train} images, and each of the {world} workers needs a minibatch")
     notices += check_steps_per_call(args, steps_per_epoch(n_train // args.batch_size, world),
                                     steps_per_call)
-    too_big = devices.memory_problem(shapes, len(args.devices), sum(x.size for x, _ in splits))
+    too_big = memory.memory_problem(shapes, len(args.devices), sum(x.size for x, _ in splits))
     if too_big:
         raise UsageError(too_big)
     args.trained_with = dict({k: getattr(args, k) for k in TRAINED_WITH[:-2]}, workers=world,

@@ -6,6 +6,8 @@
 // The sizes come from there as -D options, the same on every GPU:
 // MAX_WORKERS, MAX_SEGMENTS (the most parameters), GRID and BLOCK (block b of
 // every GPU handles the same elements).
+#include <cstddef>
+
 #if !defined(MAX_WORKERS) || !defined(MAX_SEGMENTS) || !defined(GRID) || !defined(BLOCK)
 #error "compile with stream_exchange.kernel_options(): -DMAX_WORKERS=.. -DMAX_SEGMENTS=.. -DGRID=.. -DBLOCK=.."
 #endif
@@ -60,6 +62,19 @@ struct Stamp {
     unsigned long long seen, written;        // every worker's flag seen; the mean written
     int last;                                // the worker whose flag block 0 saw last
     int step;
+};
+
+// How the structs the host mirrors are laid out here, read at load and
+// compared with the mirrors (stream_exchange.mirror_layouts): each struct's
+// size, then each field's offset, in the order they are declared.
+__device__ unsigned long long layouts[] = {
+    sizeof(Peers), offsetof(Peers, send), offsetof(Peers, flags),
+    sizeof(Segments), offsetof(Segments, data), offsetof(Segments, gradient),
+    offsetof(Segments, start), offsetof(Segments, length), offsetof(Segments, width),
+    offsetof(Segments, chunks_end), offsetof(Segments, count),
+    sizeof(Stamp), offsetof(Stamp, begin), offsetof(Stamp, published),
+    offsetof(Stamp, signalled), offsetof(Stamp, seen), offsetof(Stamp, written),
+    offsetof(Stamp, last), offsetof(Stamp, step),
 };
 
 // The GPU's own clock: nanoseconds, the same for every block of a GPU.

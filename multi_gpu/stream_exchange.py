@@ -91,7 +91,7 @@ memory (``trace``; a fence, then the step number, so that the host never
 reads half a stamp): when it began, when its weights were published, when
 its own flag was stored and when every worker's was seen (naming the worker
 seen last), when the mean was written: the trace's ``publish``, ``signal``,
-``waiting for worker k`` and ``copy + average`` (``reduce`` above).
+``waiting for a later worker`` (naming it) and ``copy + average`` (``reduce`` above).
 ``read_clock`` measures how that clock stands to the host's.  Without
 ``--trace`` the kernel pays one test of a null pointer.
 
@@ -108,6 +108,8 @@ import ctypes
 import os
 
 import numpy as np
+
+from multi_gpu import trace
 
 MAX_WORKERS, MAX_SEGMENTS = 8, 8
 GRID, BLOCK = 128, 1024  # the same on every GPU: block b handles the same elements everywhere
@@ -153,6 +155,32 @@ class Segments(ctypes.Structure):
 STAMP = np.dtype([("begin", np.uint64), ("published", np.uint64), ("signalled", np.uint64),
                   ("seen", np.uint64), ("written", np.uint64), ("last", np.int32),
                   ("step", np.int32)])
+
+
+def mirror_layouts():
+    """[(what, bytes)]: each mirrored struct's size, then each field's
+    offset, as the host's mirrors have them, in ``layouts[]``'s order (the
+    same struct as compiled: ``KERNELS``)."""
+    layouts = []
+    for name, struct in (("Peers", Peers), ("Segments", Segments)):
+        layouts += [(f"sizeof({name})", ctypes.sizeof(struct))] + [
+            (f"{name}.{field}", getattr(struct, field).offset) for field, _ in struct._fields_]
+    return layouts + [("sizeof(Stamp)", STAMP.itemsize)] + [
+        (f"Stamp.{field}", STAMP.fields[field][1]) for field in STAMP.names]
+
+
+def mirror_problem(compiled):
+    """Where the host's mirrors differ from the structs as compiled
+    (``compiled``: the module's ``layouts[]``), in words, or None: a field
+    changed on one side alone would be memory corrupted, not an error."""
+    mirrors = mirror_layouts()
+    if len(compiled) != len(mirrors):
+        return (f"{KERNELS} lays out {len(compiled)} sizes and offsets, its mirrors here "
+                f"{len(mirrors)}: a field added or removed on one side")
+    for (what, here), there in zip(mirrors, compiled):
+        if int(there) != here:
+            return f"{what} is {int(there)} bytes in {KERNELS} and {here} in its mirror here"
+    return None
 
 
 def slot_floats(n):
@@ -201,6 +229,12 @@ class StreamExchange:
         self._kernel = checked(cu.cuModuleGetFunction(self._module, b"exchange"))
         self._read_clock = checked(cu.cuModuleGetFunction(self._module, b"read_clock"))
         flags_bytes = checked(cu.cuModuleGetGlobal(self._module, b"flags_size"))[1]
+        address, nbytes = checked(cu.cuModuleGetGlobal(self._module, b"layouts"))
+        compiled = np.zeros(nbytes // 8, np.uint64)
+        drv.memcpy_dtoh(compiled, int(address))
+        problem = mirror_problem(compiled)
+        if problem:
+            raise RuntimeError(problem)
         self.slot = slot_floats(layout.size)
         self.send = drv.mem_alloc(2 * self.slot * layout.dtype.itemsize)
         self.flags = drv.mem_alloc(flags_bytes)
@@ -222,6 +256,19 @@ class StreamExchange:
         self.stamps = self.drv.pagelocked_zeros(slots, STAMP,
                                                 mem_flags=self.drv.host_alloc_flags.DEVICEMAP)
         self.stamps["step"] = -1
+        self.kept, self.clock_at_start = [], self.read_clock()  # the GPU's clock beside the host's
+
+    def keep_stamps(self, steps, marker, call):
+        """--trace: the stamps of a call's exchanges (exchange ``marker`` its
+        last), which ended ``steps``, kept as the host sees the call done."""
+        exchanges = range(marker - len(steps) + 1, marker + 1)
+        self.kept += [(s, call, self.stamp(n)) for s, n in zip(steps, exchanges)]
+
+    def draw_stamps(self, tracer, rank):
+        """--trace, at the end: the kept stamps as ``tracer``'s spans, on the
+        host's clock, the GPU's read beside it once more (``trace.kernel_spans``)."""
+        trace.kernel_spans(tracer, self.kept, rank, self.layout.nbytes, self.clock_at_start,
+                           self.read_clock())
 
     def stamp(self, step):
         """The stamps of exchange ``step`` (counted from 1), or None where

@@ -126,7 +126,7 @@ def kernel_spans(tracer, stamped, rank, nbytes, clock_at_start, clock_at_end):
         span("publish", at["begin"], at["published"], bytes=nbytes)
         span("signal", at["published"], at["signalled"])
         if int(stamp["last"]) != rank:
-            span(f"waiting for worker {int(stamp['last'])}", at["signalled"], at["seen"])
+            span(WAITING, at["signalled"], at["seen"], worker=int(stamp["last"]))
         span("copy + average", at["seen"], at["written"], bytes=nbytes)
         previous = (call, at["written"])
     tracer.about.update(clock.about(), device_clock_tick_ns=clock_at_start[1],
@@ -194,15 +194,15 @@ def chrome_trace(traces, devices, about):
 
 
 # one colour per phase, the same in every picture
+WAITING = "waiting for a later worker"  # the one name of waiting: summary, trace, picture, README
 COLOURS = {"train": "#4c72b0", "publish": "#dd8452", "signal": "#55a868", "copy": "#c44e52",
-           "average": "#8172b3", "copy + average": "#a3508f", "waiting": "#bbbbbb",
+           "average": "#8172b3", "copy + average": "#a3508f", WAITING: "#bbbbbb",
            "queue": "#937860", "waiting for the device": "#e5e5e5", "steps": "#4c72b0",
            "validate": "#2f2f2f"}
 
 
 def colour(name):
-    return COLOURS["waiting"] if name.startswith("waiting for worker") else \
-        COLOURS.get(name, "#8c8c8c")
+    return COLOURS.get(name, "#8c8c8c")
 
 
 def plot(document, path, steps=4, first=None):
@@ -298,8 +298,7 @@ def lanes_in(ax, shown, lanes, lo, hi, seen):
             bar = ax.broken_barh([(start - lo, max(end - start, (hi - lo) / 2000))],
                                  (y - 0.35, 0.7), color=colour(e["name"]), edgecolor="white",
                                  linewidth=0.3)
-            key = "waiting for a later worker" if e["name"].startswith("waiting for worker") \
-                else "validate (worker 0)" if e["name"] == "validate" else e["name"]
+            key = "validate (worker 0)" if e["name"] == "validate" else e["name"]
             seen.setdefault(key, bar)
     ax.set_yticks(range(len(lanes)))
 
@@ -394,7 +393,7 @@ def check(document):
              and count(args.get("steps", 1), 1 << 20), f"a phase without its times: {e}"[:200])
         need(e["pid"] in named, f"a phase of worker {e['pid']}, which it does not name")
         phases += 1
-        kinds.add("waiting" if e["name"].startswith("waiting for worker") else e["name"])
+        kinds.add(e["name"])
     need(phases, "no phases in it")
     need(len(kinds) <= 20, f"{len(kinds)} kinds of phase, where a trace has a few")
 

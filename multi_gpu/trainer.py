@@ -1,5 +1,13 @@
 """What every trainer of ``dual_mlp.py`` shares, whichever orders the exchange.
 
+Everything a step of ``dual_mlp.py`` calls outside that file and the devices
+is here, so that a reader of the step opens two files more, not five.
+
+``Peer``
+    zmq PAIR sockets between the workers of one machine, over ``ipc://`` in
+    the run's private directory.  They carry the one-time handshake (each
+    worker's buffer handle) and, every step, ``dual_mlp.barrier``'s
+    messages; every wait has a timeout (``Peer.ready``).
 ``Trainer``
     one worker's replica and its interface: ``start()`` (the handshake, and
     the check that every replica starts from the same weights), ``epoch(n)``,
@@ -9,7 +17,7 @@
     compiled program (``--sync gpu``, ``--exchange xla``): the host queues
     calls of K steps and runs ahead of the device.
 ``StepClock``
-    times the host-ordered step's phases, wrapped once around each.
+    runs and times the host-ordered step's phases, each by name.
 ``steps_per_epoch``, ``minibatch``
     how worker k of N takes the minibatches k, k + N, k + 2N, ...
 ``averages_after``, ``local_sgd``
@@ -20,13 +28,16 @@ from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's 
 import collections
 import functools
 import operator
+import os
 import time
 
 import numpy as np
+import zmq
 
 from multi_gpu.devices import place
-from multi_gpu.links import PeerError
-from multi_gpu.worker import Interrupted, Unwatched, fault_point, stop_point, stopping
+from multi_gpu.trace import WAITING
+from multi_gpu.worker import (FAULT, Interrupted, Unwatched, fault_point, stop_point,
+                              stopped_workers, stopping)
 
 UNROLL = 5  # steps unrolled in a compiled call's loop: XLA runs a loop's body step by step
 AHEAD = 8   # calls the host may queue ahead of the device
@@ -66,6 +77,83 @@ def mean_in_rank_order(terms):
     return functools.reduce(operator.add, terms) / len(terms)
 
 
+class PeerError(Exception):
+    """The other worker stalled, vanished or disagreed; one line of message."""
+
+
+class Peer:
+    """The zmq links between the workers of one machine: a PAIR socket for
+    every pair, the lower rank binding, in the run's private directory."""
+
+    def __init__(self, rundir, rank, n_workers, timeout, stopping, spin=0.0):
+        """
+        :param timeout: seconds to wait for another worker at any barrier
+        :param stopping: has is_set(); once it is set, any wait ends
+        :param spin: seconds to poll without sleeping before blocking; a
+            wake-up from a blocking wait costs tens of microseconds, which
+            matters next to a GPU step but would steal a CPU worker's core
+        """
+        self.rundir, self.rank, self.n = rundir, rank, n_workers
+        self.timeout, self.stopping, self.spin = timeout, stopping, spin
+        self.barriers = 0
+        self.context = zmq.Context()
+        self.sockets = {}  # the other worker's rank -> its socket
+        for other in range(n_workers):
+            if other == rank:
+                continue
+            socket = self.context.socket(zmq.PAIR)
+            socket.setsockopt(zmq.LINGER, 0)
+            low, high = sorted((rank, other))
+            address = "ipc://" + os.path.join(rundir, f"peer-{low}-{high}.sock")
+            (socket.bind if rank == low else socket.connect)(address)
+            self.sockets[other] = socket
+
+    def ready(self, other, event, what):
+        """Wait, in slices, until the socket to ``other`` can send or receive
+        (``event``: ``zmq.POLLOUT``, ``zmq.POLLIN``); a stop request or the
+        timeout ends the wait.  (A PAIR socket whose peer is gone blocks a
+        plain send for ever.)  A receive first spins for ``spin`` seconds."""
+        socket = self.sockets[other]
+        if event == zmq.POLLIN and self.spin:
+            spin_until = time.perf_counter() + self.spin
+            while time.perf_counter() < spin_until:
+                if socket.poll(0, event):
+                    return
+        deadline = time.monotonic() + self.timeout
+        while not socket.poll(100, event):
+            if self.stopping.is_set():
+                raise Interrupted
+            if time.monotonic() > deadline:
+                # the one that stopped, rather than one that waits for it as we do
+                late = stopped_workers(self.rundir, self.n, self.rank) or [other]
+                raise PeerError(f"worker {late[0]} did not reach {what} within "
+                                f"{self.timeout:g} s (see --timeout)")
+
+    def exchange(self, obj, what="the handshake"):
+        """Send ``obj`` to every other worker; returns every worker's, in rank
+        order, mine included (the handles, once; --check)."""
+        for other, socket in self.sockets.items():
+            self.ready(other, zmq.POLLOUT, what)
+            socket.send_pyobj(obj, zmq.NOBLOCK)  # 2014's calls: send_pyobj, recv_pyobj
+        theirs = {}
+        for other, socket in self.sockets.items():
+            self.ready(other, zmq.POLLIN, what)
+            theirs[other] = socket.recv_pyobj(zmq.NOBLOCK)
+        return [obj if other == self.rank else theirs[other] for other in range(self.n)]
+
+    def gather(self, array):
+        """Every worker's ``array``, stacked in rank order (for --check)."""
+        return np.stack(self.exchange(array, "the replica check"))
+
+    def close(self):
+        # Linger a moment: a message still in flight (the last --check
+        # exchange, 1.6 MB) is discarded by a close without it, and the peer
+        # then waits for it until its timeout.
+        for socket in self.sockets.values():
+            socket.close(linger=1000)
+        self.context.term()
+
+
 class Trainer:
     """One worker's replica, and how it trains beside the others.
 
@@ -77,6 +165,7 @@ class Trainer:
     ``finish()`` waits until the last step is done everywhere."""
 
     route = ""  # how the weights travel, in words
+    clock = None  # StepClock: where the host orders the step, it times each phase
     tracer = None  # --trace: the timeline's recorder (multi_gpu.trace.Tracer)
     steps_run = 0  # the steps taken so far, this run
 
@@ -101,9 +190,14 @@ class Trainer:
     def trace(self, tracer):
         """Record the phases of the steps ``tracer`` asks for (``--trace``)."""
         self.tracer = tracer
+        if self.clock:
+            self.clock.tracer = tracer
 
     def count_step(self, steps=1):
-        """``steps`` more steps begin now (the tracer learns which)."""
+        """``steps`` more steps begin now (the tracer learns which), unless a
+        stop was asked for: a worker stops between two steps."""
+        if stopping.signum:  # set by a stop signal's handler (an attribute: nothing to call)
+            raise Interrupted
         if self.tracer:
             self.tracer.at(self.steps_run)
         self.steps_run += steps
@@ -126,41 +220,50 @@ class Trainer:
         pass
 
     def step_us(self, steps):
-        """Microseconds of a step by phase, where the host can time them."""
-        return {}
+        """Microseconds of a step by phase, where the host times them."""
+        return self.clock.step_us(steps) if self.clock else {}
 
     def report(self):
-        """More entries for the summary: how many times the replicas averaged."""
-        return dict(averages=self.averages, average_every=self.average_every)
+        """More entries for the summary: how many times the replicas averaged,
+        and the seconds of the exchange where the host times it."""
+        return dict(averages=self.averages, average_every=self.average_every,
+                    **({"exchange_s": self.clock.exchange_s()} if self.clock else {}))
 
 
 class StepClock:
-    """Sums each phase's time under its name.  A signal's time is split in
-    two: the signal itself, and waiting for a peer that arrived later (which
-    a faster worker does whatever the exchange costs).  With a ``tracer``
-    (``--trace``), each phase is also a span of the timeline."""
+    """Runs the host-ordered step's phases, each by name, and sums each
+    one's time under it.  A signal's time is split in two: the signal
+    itself, and waiting for a later worker (which a faster worker does
+    whatever the exchange costs).  With a ``tracer`` (``--trace``), each
+    phase is also a span of the timeline, the bytes it moved beside it."""
 
-    def __init__(self, tracer=None):
-        self.totals, self.tracer = collections.defaultdict(float), tracer
+    MOVES_WEIGHTS = ("publish", "copy")
+    FAULTS = {"train": "train", "copy": "exchange"}  # DUAL_MLP_FAULT's places in the step
 
-    def timed(self, name, phase, waits=False, **about):
-        """``phase``, its every call timed under ``name``; with ``waits``, it
-        returns (the seconds of its time spent waiting for a later worker, that
-        peer's rank).  ``about`` goes into the phase's trace spans (bytes moved)."""
-        def timed_phase(*args):
-            start = time.perf_counter_ns()
-            result = phase(*args)
-            end = time.perf_counter_ns()
-            waited, last = result if waits else (0.0, None)
-            self.totals[name] += (end - start) / 1e9 - waited
-            self.totals["waiting"] += waited
-            if self.tracer and self.tracer.on:
-                if waited:
-                    self.tracer.span(f"waiting for worker {last}", start,
-                                     start + int(waited * 1e9))
-                self.tracer.span(name, start + int(waited * 1e9), end, **about)
-            return result
-        return timed_phase
+    def __init__(self, rank, nbytes, tracer=None):
+        self.totals, self.tracer, self.rank, self.nbytes = collections.defaultdict(float), \
+            tracer, rank, nbytes
+        # the fault tests' hook, only where DUAL_MLP_FAULT names this worker and a phase
+        self.faulty = {name for name, where in self.FAULTS.items()
+                       if FAULT[:2] == [str(rank), where]}
+
+    def phase(self, name, call, *args):
+        """``call(*args)``, timed as phase ``name``; a signal's call returns
+        (the seconds of it spent waiting for a later worker, that one's rank)."""
+        if name in self.faulty:
+            fault_point(self.rank, self.FAULTS[name])
+        start = time.perf_counter_ns()
+        result = call(*args)
+        end = time.perf_counter_ns()
+        waited, last = result if name == "signal" else (0.0, None)
+        self.totals[name] += (end - start) / 1e9 - waited
+        self.totals["waiting"] += waited
+        if self.tracer and self.tracer.on:
+            if waited:
+                self.tracer.span(WAITING, start, start + int(waited * 1e9), worker=last)
+            self.tracer.span(name, start + int(waited * 1e9), end,
+                             **({"bytes": self.nbytes} if name in self.MOVES_WEIGHTS else {}))
+        return result
 
     def exchange_s(self):
         """Seconds in all of the exchange's phases, 2-6 (publish, the signals,

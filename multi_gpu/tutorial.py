@@ -23,7 +23,7 @@ import shutil
 import sys
 import tempfile
 
-from multi_gpu import cli, datasets, devices, records
+from multi_gpu import cli, datasets, devices, memory, records
 from multi_gpu.cli import (backend_name, heartbeat, non_negative, positive,  # noqa: F401
                            positive_int, quiet_start_up, seed, writable)
 from multi_gpu.datasets import N_CLASSES, N_PIXELS, DatasetError, read, resolve  # noqa: F401
@@ -31,7 +31,7 @@ from multi_gpu.records import (epoch_record, run_header, save_checkpoint,  # noq
                                write_json_or_show)
 from multi_gpu.report import Diverged, check_finite, compiling  # noqa: F401
 
-parser = cli.tutorial_parser
+parser, add_model_options = cli.tutorial_parser, cli.add_model_options
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"  # one folder per GPU the NVIDIA driver sees
 
 
@@ -88,7 +88,7 @@ def run(script, train, dataset, outputs=None, shapes=None):
                           {option: [path] for option, path in outputs.items()})
         if clash:
             raise DatasetError(clash)
-        too_big = shapes and devices.memory_problem(shapes)
+        too_big = shapes and memory.memory_problem(shapes)
         if too_big:
             raise DatasetError(too_big)
         room = records.checkpoint_bytes(shapes) if shapes else 0

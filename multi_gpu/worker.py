@@ -103,23 +103,6 @@ def fault_point(rank, where):
     raise RuntimeError(f"fault injected at {where}{hint}")
 
 
-def hooked(rank, where, phase, stops=False):
-    """``phase`` as a step calls it: with ``stops``, it first stops on request
-    (``stop_point``); where DUAL_MLP_FAULT names this worker and place, it
-    first fails there (``fault_point``).  Otherwise ``phase`` itself, untouched."""
-    faulty = FAULT[:2] == [str(rank), where]
-    if not (stops or faulty):
-        return phase
-
-    def hooked_phase(*args):
-        if stops and stopping.is_set():
-            raise Interrupted
-        if faulty:
-            fault_point(rank, where)
-        return phase(*args)
-    return hooked_phase
-
-
 class Watchdog:
     """A thread that ends this worker where its main thread cannot notice:
     when the launcher is gone (an orphan exits at once), when a stop request

@@ -13,7 +13,8 @@ import numpy as np
 import dual_mlp
 import mlp
 from multi_gpu.devices import CudaDevice
-from multi_gpu.links import Layout, Peer
+from multi_gpu.links import Layout
+from multi_gpu.trainer import Peer
 
 
 def arrays(rank, round_):

@@ -215,7 +215,7 @@ def test_the_last_message_before_a_close_is_delivered(tmp_path):
 
     import numpy as np
 
-    from multi_gpu.links import Peer
+    from multi_gpu.trainer import Peer
     from multi_gpu.worker import StopRequest
     big = np.arange(16 << 20, dtype=np.float32)  # 64 MB: still in flight at the close
     got = {}
@@ -242,7 +242,7 @@ def test_a_barrier_timeout_names_the_worker_that_stopped_not_one_waiting_for_it(
     "worker 1 did not reach barrier 2").  Here worker 1 keeps its heartbeat
     and never answers, worker 2's heartbeat is a minute old."""
     import dual_mlp
-    from multi_gpu.links import Peer, PeerError
+    from multi_gpu.trainer import Peer, PeerError
     from multi_gpu.worker import StopRequest, heartbeat_path
     for rank in (1, 2):
         open(heartbeat_path(str(tmp_path), rank), "w").close()

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from multi_gpu import records
+from multi_gpu import records, trace
 from conftest import (FASHION, ROOT, SHAPES, dual, finish, interrupted, kill_one_worker,
                       script, start_checkpointing, start_dual, wait_until_training, workers_of)
 from multi_gpu.launcher import worker_environment
@@ -325,14 +325,14 @@ def test_a_gpu_run_traces_its_phases(tmp_path, sync):
         if sync == "host":
             for step in {e["args"]["step"] for e in events}:
                 assert [e["name"] for e in events if e["args"]["step"] == step and not
-                        e["name"].startswith("waiting for worker")
+                        e["name"] == trace.WAITING
                         and e["name"] != "validate"] == HOST_PHASES
             continue
         device = [e for e in events if e["tid"] == 1]
         assert len({e["args"]["step"] for e in device}) == 20, worker
         for step in sorted({e["args"]["step"] for e in device}):
             phases = [e for e in device if e["args"]["step"] == step]
-            names = [e["name"] for e in phases if not e["name"].startswith("waiting for worker")]
+            names = [e["name"] for e in phases if e["name"] != trace.WAITING]
             assert names in (EXCHANGE_PHASES, ["train"] + EXCHANGE_PHASES), (worker, step, names)
             named = {e["name"]: e for e in phases}
             barriers.setdefault(step, []).append(

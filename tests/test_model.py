@@ -290,3 +290,32 @@ def test_the_exchange_kernel_compiles_for_an_h200(tmp_path):
                            capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
     assert "0 bytes stack frame, 0 bytes spill stores" in built.stderr, built.stderr
+
+    # the structs the host mirrors, as this compiler laid them out (what the GPU path
+    # reads at load, cuModuleGetGlobal of layouts[]): the mirrors agree, and a field
+    # moved on one side alone is named
+    from multi_gpu.stream_exchange import mirror_layouts, mirror_problem
+    compiled = np.frombuffer(elf_symbol(tmp_path / "exchange.cubin", b"layouts"), np.uint64)
+    assert [int(v) for v in compiled] == [v for _, v in mirror_layouts()]
+    assert mirror_problem(compiled) is None
+    moved = compiled.copy()
+    moved[-1] += 4
+    assert mirror_problem(moved).startswith("Stamp.step is 48 bytes in ")
+    assert "a field added or removed" in mirror_problem(compiled[:-1])
+
+
+def elf_symbol(path, name):
+    """The initial bytes of the global ``name`` in an ELF64 object (a cubin)."""
+    import struct
+    elf = path.read_bytes()
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    symtab = next(s for s in sections if s[1] == 2)  # SHT_SYMTAB; its sh_link: the names
+    names = sections[symtab[6]]
+    for at in range(symtab[4], symtab[4] + symtab[5], 24):
+        st_name, _, _, st_shndx, st_value, st_size = struct.unpack_from("<IBBHQQ", elf, at)
+        if elf[names[4] + st_name:].split(b"\0", 1)[0] == name:
+            start = sections[st_shndx][4] + st_value
+            return elf[start:start + st_size]
+    raise KeyError(name)

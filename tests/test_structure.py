@@ -2,6 +2,7 @@
 modules import one another without cycles, and THEANO_FLAGS honoured
 whichever module a process imports first."""
 import ast
+import json
 import os
 import re
 import subprocess
@@ -120,3 +121,45 @@ def test_ruff_finds_nothing_anywhere():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
 
+
+
+def test_the_lesson_and_each_module_fit_in_600_lines():
+    """dual_mlp.py is read first and whole, as the 2014 file was: at most
+    600 lines; so is every module of the package."""
+    for path in [ROOT / "dual_mlp.py", *(ROOT / "multi_gpu").glob("*.py")]:
+        assert len(path.read_text().splitlines()) <= 600, path.name
+
+
+STEP_PROFILER = """
+import json, os, sys
+sys.path.insert(0, os.getcwd())
+import dual_mlp
+epoch = dual_mlp.HostOrdered.epoch
+
+def profiled(self, n_steps):  # every function call of the epoch's steps, by file
+    seen = set()
+    sys.setprofile(lambda frame, event, _: event == "call" and seen.add(frame.f_code.co_filename))
+    try:
+        epoch(self, n_steps)
+    finally:
+        sys.setprofile(None)
+    with open(os.path.join(sys.argv[1], f"files{self.rank}.json"), "w") as f:
+        json.dump(sorted(seen), f)
+dual_mlp.HostOrdered.epoch = profiled
+sys.exit(dual_mlp.main(sys.argv[2:]))
+"""
+
+
+def test_one_step_runs_python_of_three_project_files_at_most(tmp_path):
+    """The Quick start's step, traced in each worker (``sys.setprofile``):
+    whatever a reader of the step follows is in dual_mlp.py and two files
+    of the package at most (the model's own step is compiled: it runs no
+    Python of mlp.py)."""
+    out = subprocess.run([sys.executable, "-c", STEP_PROFILER, str(tmp_path), "--epochs", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for rank in (0, 1):
+        called = json.loads((tmp_path / f"files{rank}.json").read_text())
+        ours = {os.path.relpath(f, ROOT) for f in called
+                if f.startswith(str(ROOT) + os.sep) and not f.startswith(sys.prefix)}
+        assert "dual_mlp.py" in ours and len(ours) <= 3, ours

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from conftest import ROOT, dual, environment, refused, run_once, wait_for
+from multi_gpu import trace
 
 HOST_PHASES = ["train", "publish", "signal", "copy", "signal", "average"]
 
@@ -57,7 +58,7 @@ def test_every_worker_has_every_phase_of_every_traced_step_in_order(traced):
         assert {e["args"]["step"] for e in events} == set(range(first, first + 8)), worker
         for step in range(first, first + 8):
             phases = [e["name"] for e in events if e["args"]["step"] == step
-                      and not e["name"].startswith("waiting for worker")
+                      and e["name"] != trace.WAITING
                       and e["name"] != "validate"]
             assert phases == HOST_PHASES, (worker, step, phases)
         for a, b in zip(events, events[1:]):  # one track: no span overlaps the next
@@ -83,8 +84,7 @@ def test_no_worker_leaves_a_barrier_before_the_last_one_arrived(traced):
         count = collections.Counter()
         for i, e in enumerate(events):
             if e["name"] == "signal":
-                before = events[i - 1] if i and events[i - 1]["name"].startswith(
-                    "waiting for worker") else e
+                before = events[i - 1] if i and events[i - 1]["name"] == trace.WAITING else e
                 step = e["args"]["step"]
                 barriers[step, count[step]].append((before["ts"], e["ts"] + e["dur"]))
                 count[step] += 1
@@ -98,10 +98,13 @@ def test_no_worker_leaves_a_barrier_before_the_last_one_arrived(traced):
 
 
 def test_the_waits_name_a_worker_that_arrived_later(traced):
+    waits = 0
     for worker, events in spans(traced[1]).items():
         for e in events:
-            if e["name"].startswith("waiting for worker"):
-                assert int(e["name"].split()[-1]) in {0, 1, 2} - {worker}
+            if e["name"] == "waiting for a later worker":  # the summary's and README's words
+                assert e["args"]["worker"] in {0, 1, 2} - {worker}
+                waits += 1
+    assert waits
 
 
 def test_under_the_xla_exchange_the_host_runs_ahead_of_the_device(tmp_path):
@@ -181,7 +184,7 @@ def test_the_kernels_stamps_go_onto_the_hosts_clock_as_phases_in_order():
     trace.kernel_spans(tracer, [(10, 4, stamps[0]), (11, 4, stamps[1]), (12, 5, None)], 0,
                        1024, (start, 32), (end, 32))
     names = [(s["step"], s["name"]) for s in tracer.spans]
-    assert names == [(10, "publish"), (10, "signal"), (10, "waiting for worker 1"),
+    assert names == [(10, "publish"), (10, "signal"), (10, trace.WAITING),
                      (10, "copy + average"), (11, "train"), (11, "publish"), (11, "signal"),
                      (11, "copy + average")]
     assert all(s["track"] == trace.DEVICE for s in tracer.spans)

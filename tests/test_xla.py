@@ -119,8 +119,8 @@ def test_this_jax_lets_every_cpu_worker_keep_its_own_programs():
     knows it (JAX 0.10 to 0.12): on another JAX this fails, and a run says
     what it loses in its "compiled" line."""
     import jax
-    from multi_gpu import devices
-    assert devices.cache_writer_problem(jax) is None
+    from multi_gpu import xla_cache
+    assert xla_cache.cache_writer_problem(jax) is None
 
 
 def test_xla_with_two_workers_follows_the_p2p_exchange_and_each_keeps_its_programs(tmp_path):
