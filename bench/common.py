@@ -55,7 +55,7 @@ def require_gpus():
     except OSError:
         listed = ""
     if "GPU" not in listed:
-        print(f"{SCRIPT}: error: no GPU here (nvidia-smi lists none): "
+        print(f"{prog()}: error: no GPU here (nvidia-smi lists none): "
               "nothing was measured and no result was written; on a CPU, the benchmarks "
               "that have one take --cpu", file=sys.stderr)
         sys.exit(2)
@@ -67,7 +67,7 @@ def refuse_busy_gpus():
     reference several times slower)."""
     busy = busy_gpus()
     if busy:
-        sys.exit(f"{SCRIPT}: error: the GPUs are busy (pid, name, "
+        sys.exit(f"{prog()}: error: the GPUs are busy (pid, name, "
                  f"memory: {'; '.join(busy)}): stop those processes first; figures measured "
                  "beside them would be wrong")
 
@@ -88,6 +88,11 @@ def one_device(cpu):
     keep_to_one_device(cpu)
     from multi_gpu.devices import CudaDevice, JaxDevice
     return JaxDevice() if cpu else CudaDevice(0)
+
+
+def prog():
+    """The running benchmark as typed, for its messages: ``python -m bench.compare``."""
+    return f"python {' '.join(invocation())}"
 
 
 def invocation():
@@ -183,7 +188,7 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        print(f"{SCRIPT}: no plot: matplotlib is not installed "
+        print(f"{prog()}: no plot: matplotlib is not installed "
               "(pip install -r requirements-test.txt); the figures are in the JSON")
         return None
     matplotlib.use("Agg")
@@ -234,9 +239,9 @@ def tables_from(path, table):
         document = load(path)
         text = table(document)
     except (OSError, ValueError) as e:
-        sys.exit(f"{SCRIPT}: error: --tables-from {path}: {getattr(e, 'strerror', None) or e}")
+        sys.exit(f"{prog()}: error: --tables-from {path}: {getattr(e, 'strerror', None) or e}")
     except (KeyError, TypeError, AttributeError):
-        sys.exit(f"{SCRIPT}: error: --tables-from {path}: not a results file of {SCRIPT}")
+        sys.exit(f"{prog()}: error: --tables-from {path}: not a results file of {SCRIPT}")
     write_block(block_name(document, SCRIPT), text)
 
 
@@ -273,7 +278,7 @@ def parse_args(parser, table):
     ``--tables-from JSON`` only regenerates its README tables (``table(document)``)
     from a results file, and exits."""
     results = os.path.splitext(os.path.basename(sys.argv[0]))[0] + ".json"
-    parser.prog = f"python {' '.join(invocation())}"
+    parser.prog = prog()
     parser.add_argument("--tables-from", metavar="JSON",
                         help=f"only regenerate the README tables from this {results}")
     out = next((a for a in parser._actions if a.dest == "out"), None)

@@ -1,6 +1,7 @@
 """The Quick start's first run, cold and warm, and its step speed, per CPU backend.
 
     python -m bench.first_run                                    # out/first_run_cpu.json
+    python -m bench.first_run --backends jax --cold-runs 1 --warm-runs 1 --speed-runs 1
     python -m bench.first_run --out bench/results/first_run_cpu  # a result to commit
 
 A newcomer's first ``python dual_mlp.py`` is mostly a compile.  For each of
@@ -29,10 +30,10 @@ import tempfile
 import time
 
 from bench.common import OUT, ROOT, measured_by, parse_args, record, show
-from multi_gpu.cli import Parser
+from multi_gpu.cli import Parser, positive_int
 
-BACKENDS = {"JAX (the default)": {},
-            "Numba (THEANO_FLAGS=mode=NUMBA)": {"THEANO_FLAGS": "mode=NUMBA"}}
+BACKENDS = {"jax": ("JAX (the default)", {}),
+            "numba": ("Numba (THEANO_FLAGS=mode=NUMBA)", {"THEANO_FLAGS": "mode=NUMBA"})}
 
 
 def private_folders(tmp, name):
@@ -66,20 +67,20 @@ def quick_start(env, json_path, epochs=None):
 
 
 def measure(args, tmp):
-    homes = {name: private_folders(tmp, f"home{i}") for i, name in enumerate(BACKENDS)}
-    runs = {name: dict(cold=[], warm=[], speed=[]) for name in BACKENDS}
-    for b, (name, flags) in enumerate(BACKENDS.items()):
+    backends = dict(BACKENDS[b] for b in args.backends)
+    homes, runs = {}, {name: dict(cold=[], warm=[], speed=[]) for name in backends}
+    for b, (name, flags) in enumerate(backends.items()):
         for i in range(args.cold_runs):  # each cold run in folders of its own
-            env = dict(private_folders(tmp, f"cold{b}-{i}"), **flags)
-            runs[name]["cold"].append(quick_start(env, os.path.join(tmp, "run.json")))
+            homes[name] = private_folders(tmp, f"cold{b}-{i}")
+            runs[name]["cold"].append(quick_start(dict(homes[name], **flags),
+                                                  os.path.join(tmp, "run.json")))
             print(f"{name}: cold {runs[name]['cold'][-1]['wall_s']:.1f} s", flush=True)
-        env = dict(homes[name], **flags)
-        quick_start(env, os.path.join(tmp, "run.json"))  # fills this home's caches
+        env = dict(homes[name], **flags)  # the last cold run's folders: its caches are full
         for _ in range(args.warm_runs):
             runs[name]["warm"].append(quick_start(env, os.path.join(tmp, "run.json")))
             print(f"{name}: warm {runs[name]['warm'][-1]['wall_s']:.1f} s", flush=True)
     for _ in range(args.speed_runs):  # the backends take turns: a busy moment hits both
-        for name, flags in BACKENDS.items():
+        for name, flags in backends.items():
             runs[name]["speed"].append(quick_start(dict(homes[name], **flags),
                                                    os.path.join(tmp, "run.json"),
                                                    args.speed_epochs))
@@ -93,9 +94,9 @@ def measure(args, tmp):
             warm_wall_s=statistics.median(x["wall_s"] for x in r["warm"]),
             step_us=statistics.median(x["step_us"] for x in r["speed"]),
             test_error=r["cold"][0]["test_error"], runs=r))
-    base = figures[1]["step_us"]  # Numba's: the CPU default before JAX
-    for f in figures:
-        f["speed_vs_numba"] = round(base / f["step_us"], 3)
+    base = {f["backend"]: f["step_us"] for f in figures}.get(BACKENDS["numba"][0])
+    for f in figures:  # against Numba's step, the CPU default before JAX, where it ran
+        f["speed_vs_numba"] = base and round(base / f["step_us"], 3)
     return figures
 
 
@@ -109,23 +110,27 @@ def table(document):
              "time per step | step speed against Numba |",
              "| --- | --- | --- | --- | --- | --- |"]
     for f in document["figures"]:
+        against = f"{f['speed_vs_numba']:.2f}x" if f["speed_vs_numba"] else "(Numba not run)"
         lines.append(f"| {f['backend']} | {f['cold_wall_s']:.1f} s | {f['cold_compile_s']:.1f} s "
-                     f"| {f['warm_wall_s']:.1f} s | {f['step_us'] / 1e3:.2f} ms | "
-                     f"{f['speed_vs_numba']:.2f}x |")
+                     f"| {f['warm_wall_s']:.1f} s | {f['step_us'] / 1e3:.2f} ms | {against} |")
     return "\n".join(lines)
 
 
 def main():
     p = Parser(about=__doc__)
     p.set_defaults(cpu=True)  # a CPU benchmark: no GPU asked for
-    p.add_argument("--cold-runs", type=int, default=2, help="first runs per backend, each in "
-                   "fresh private folders (default: %(default)s)")
-    p.add_argument("--warm-runs", type=int, default=3,
+    p.add_argument("--cold-runs", type=positive_int, default=2,
+                   help="first runs per backend, each in fresh private folders (default: "
+                        "%(default)s)")
+    p.add_argument("--warm-runs", type=positive_int, default=3,
                    help="second runs per backend (default: %(default)s)")
-    p.add_argument("--speed-runs", type=int, default=3,
+    p.add_argument("--speed-runs", type=positive_int, default=3,
                    help="timed runs per backend, taking turns (default: %(default)s)")
-    p.add_argument("--speed-epochs", type=int, default=30,
+    p.add_argument("--speed-epochs", type=positive_int, default=30,
                    help="epochs of each timed run (default: %(default)s)")
+    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+                   help="which CPU backends (default: %(default)s); Numba's first compile takes "
+                        "half a minute or more")
     p.add_argument("--out", default=OUT, help="folder for first_run_cpu.json")
     args = parse_args(p, table)
     with tempfile.TemporaryDirectory(prefix="first-run-") as tmp:

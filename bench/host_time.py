@@ -24,7 +24,7 @@ import time
 
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")  # one GPU, as a worker sees it
 
-from bench.common import OUT, record, require_gpus
+from bench.common import OUT, prog, record, require_gpus
 
 from multi_gpu import flags  # noqa: F401  (first: float32, as the scripts run)
 import jax
@@ -53,11 +53,15 @@ def measure(call, steps, wait):
 
 
 def main():
-    parser = Parser(about=__doc__)
-    parser.add_argument("--dataset", required=True)
-    parser.add_argument("--batch-size", type=int, default=5000)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--out", default=OUT)
+    parser = Parser(prog=prog(), about=__doc__)
+    parser.add_argument("--dataset", required=True, help="the data set, e.g. "
+                        "/usr/share/datasets/fashion-mnist")
+    parser.add_argument("--batch-size", type=int, default=5000,
+                        help="minibatch (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=300,
+                        help="steps of each way (default: %(default)s)")
+    parser.add_argument("--out", default=OUT, help="folder for host_time.json (default: out/, "
+                        "which git ignores)")
     args = parser.parse_args()
     require_gpus()
     device = JaxDevice()

@@ -40,16 +40,23 @@ def table(document):
 
 def main():
     parser = Parser(about=__doc__)
-    parser.add_argument("--devices", nargs="+", default=["cpu", "cpu"])
+    parser.add_argument("--devices", nargs="+", default=["cpu", "cpu"],
+                        help="dual_mlp.py's devices (default: %(default)s)")
     parser.add_argument("--orderings", nargs="+", default=None,
                         help="e.g. host gpu xla (default: host, and gpu on GPUs)")
     parser.add_argument("--dataset", help="the data set (default: the shipped digits)")
-    parser.add_argument("--batch", type=cli.positive_int, default=100)
-    parser.add_argument("--epochs", type=cli.positive_int, default=6)
-    parser.add_argument("--rounds", type=cli.positive_int, default=3)
+    parser.add_argument("--batch", type=cli.positive_int, default=100,
+                        help="minibatch per worker (default: %(default)s)")
+    parser.add_argument("--epochs", type=cli.positive_int, default=6,
+                        help="epochs of each run, the first not counted (default: %(default)s)")
+    parser.add_argument("--rounds", type=cli.positive_int, default=3,
+                        help="runs of each, with and without --trace in turn (default: "
+                             "%(default)s)")
     parser.add_argument("--out", default=OUT, help="folder for the JSON")
     parser.set_defaults(cpu=True)  # asks for no GPU check: the devices say where it runs
     args = parse_args(parser, table)
+    if args.epochs < 2:
+        parser.error("--epochs: at least 2 (a run's first epoch is not counted)")
     gpus = args.devices[0] != "cpu"
     orderings = args.orderings or (["host", "gpu"] if gpus else ["host"])
     how = {"host": ["--sync", "host"], "gpu": ["--sync", "gpu"], "xla": ["--exchange", "xla"]}

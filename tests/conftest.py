@@ -59,16 +59,45 @@ def compiled_sources_in_the_test_cache(tmp_path_factory):
     tempfile.tempdir = None
 
 
+@pytest.fixture(scope="session")
+def clone(tmp_path_factory):
+    """A fresh clone of the tree under test as it is, what is not committed
+    yet too (a commit of it, made through an index of its own: the tree's
+    own index and branch stay as they were): where the READMEs' commands run
+    as a new user types them (``unchanged`` after)."""
+    folder = tmp_path_factory.mktemp("clone")
+    env = dict(os.environ, GIT_INDEX_FILE=str(folder / "index"), **{
+        f"GIT_{who}_{what}": value for who in ("AUTHOR", "COMMITTER")  # no identity needed
+        for what, value in (("NAME", "the tests"), ("EMAIL", "tests@localhost"))})
+
+    def git(*args, cwd=ROOT, env=None):
+        return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    git("add", "-A", env=env)
+    tree = git("commit-tree", git("write-tree", env=env), "-p", "HEAD", "-m",
+               "the tree under test", env=env)
+    git("clone", "-q", "--no-checkout", str(ROOT), str(folder / "dual_mlp"))
+    git("checkout", "-q", "--detach", tree, cwd=folder / "dual_mlp")
+    return folder / "dual_mlp"
+
+
+def unchanged(clone):
+    """Is ``clone`` as git checked it out: nothing changed, nothing new that git does not ignore?"""
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=clone,
+                          capture_output=True, text=True, check=True).stdout == ""
+
+
 def environment(env=None):
     own_home = {"PYTENSOR_FLAGS": USER_FLAGS} if "HOME" in (env or {}) else {}
     return dict(os.environ, DUAL_MLP_TESTS=TOKEN, **{**own_home, **(env or {})})
 
 
-def script(name, *args, env=None, timeout=600, cwd=ROOT):
-    """Run one of the repository's scripts (a file, or a benchmark's module:
-    bench.compare) to completion; returns CompletedProcess."""
-    target = [str(ROOT / name)] if name.endswith(".py") else ["-m", name]
-    proc = subprocess.Popen([sys.executable, *target, *map(str, args)], cwd=cwd,
+def script(name, *args, env=None, timeout=600, cwd=None, tree=ROOT):
+    """Run one of the scripts of ``tree`` (this repository, or a ``clone``:
+    a file, or a benchmark's module: bench.compare) to completion, from
+    ``cwd`` (default: ``tree``); returns CompletedProcess."""
+    target = [str(tree / name)] if name.endswith(".py") else ["-m", name]
+    proc = subprocess.Popen([sys.executable, *target, *map(str, args)], cwd=cwd or tree,
                             env=environment(env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     LAUNCHERS.add(proc.pid)

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import made_once, script
+from conftest import made_once, script, unchanged
 from multi_gpu.datasets import SHIPPED
 
 
@@ -13,15 +13,16 @@ def bench_module(name):
     return importlib.import_module(f"bench.{name}")
 
 
-def test_compare_cpu_puts_the_demo_beside_the_references_and_the_floor(tmp_path):
-    """At one batch (the benchmark's run, cut to its smallest): every system
-    a CPU user would pick, each measured or saying why not (PyTorch is not
-    among the test requirements), the floor, and the demo's exchange set
-    against it, in the table too."""
-    out = script("bench.compare", "--cpu", "--batches", 100, "--steps", 12, "--out", tmp_path,
-                 timeout=600)
+def test_compare_cpu_puts_the_demo_beside_the_references_and_the_floor(clone):
+    """At one batch (bench/README's command in a fresh clone, cut to its
+    smallest): every system a CPU user would pick, each measured or saying
+    why not (PyTorch is not among the test requirements), the floor, and the
+    demo's exchange set against it, in the table too; into out/, which git
+    ignores."""
+    out = script("bench.compare", "--cpu", "--batches", 100, "--steps", 12, tree=clone)
     assert out.returncode == 0, out.stderr
-    result = json.loads((tmp_path / "compare_cpu.json").read_text())
+    made = clone / "out"
+    result = json.loads((made / "compare_cpu.json").read_text())
     assert result["complete"] is True and result["command"].startswith("python -m bench.compare")
     assert result["cores"] and len(result["load"]) == 3
     systems = {f["system"]: f for f in result["figures"]}
@@ -41,8 +42,9 @@ def test_compare_cpu_puts_the_demo_beside_the_references_and_the_floor(tmp_path)
     assert 0 < demo["exchange_us"] < demo["step_us"] and demo["train_us"] > 0
     assert f"the floor and {demo['exchange_us'] / demo['train_us']:.2f}x its train phase" \
         in out.stdout
-    assert (tmp_path / "compare_cpu.png").stat().st_size > 10000
+    assert (made / "compare_cpu.png").stat().st_size > 10000
     assert "| demo cpu cpu | 2 |" in out.stdout
+    assert unchanged(clone)
 
 
 def test_the_training_set_is_tiled_for_enough_steps_per_epoch_at_every_batch(tmp_path):
@@ -86,8 +88,8 @@ def test_compare_refuses_to_measure_beside_another_process_on_the_gpus(tmp_path)
                  env={"PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"})
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
-        "compare.py: error: the GPUs are busy (pid, name, memory: 4242, python, 1200 MiB): stop "
-        "those processes first; figures measured beside them would be wrong"]
+        "python -m bench.compare: error: the GPUs are busy (pid, name, memory: 4242, python, "
+        "1200 MiB): stop those processes first; figures measured beside them would be wrong"]
     assert not (tmp_path / "compare_cpu.json").exists()
 
 
@@ -117,11 +119,13 @@ def test_exchange_bench_help_and_bad_values():
     assert out.returncode == 2 and "power of two" in out.stderr
 
 
-def test_accuracy_cpu_subset_records_curves_and_when_each_system_reached_the_target(tmp_path):
+def test_accuracy_cpu_subset_records_curves_and_when_each_system_reached_the_target(clone):
     out = script("bench.accuracy", "--cpu", "--epochs", 4, "--target", 0.85, "--average-every", 1,
-                 4, "--out", tmp_path)
+                 4, tree=clone)
     assert out.returncode == 0, out.stderr
-    result = json.loads((tmp_path / "accuracy_cpu.json").read_text())
+    assert unchanged(clone)
+    made = clone / "out"
+    result = json.loads((made / "accuracy_cpu.json").read_text())
     assert result["complete"] is True and result["target"] == 0.85
     demo, one, local = result["systems"]
     assert local["system"] == "demo cpu cpu --average-every 4" and local["average_every"] == 4
@@ -138,7 +142,7 @@ def test_accuracy_cpu_subset_records_curves_and_when_each_system_reached_the_tar
     # the same minibatches of 200 in the same order: two workers follow one process
     for a, b in zip(demo["curve"], one["curve"]):
         assert abs(a["validation_error"] - b["validation_error"]) <= 0.003
-    assert (tmp_path / "accuracy_cpu.png").stat().st_size > 10000
+    assert (made / "accuracy_cpu.png").stat().st_size > 10000
 
 
 @pytest.fixture(scope="module")
@@ -185,11 +189,13 @@ def test_an_optional_reference_that_fails_is_reported_not_fatal(capsys):
         compare.table(document)
 
 
-def test_scaling_cpu_measures_each_worker_count_with_identical_replicas(tmp_path):
+def test_scaling_cpu_measures_each_worker_count_with_identical_replicas(clone):
     # two counts show the mechanics (three workers' identical replicas: test_xla's tests)
-    out = script("bench.scaling", "--cpu", "--workers", 1, 2, "--out", tmp_path, timeout=600)
+    out = script("bench.scaling", "--cpu", "--workers", 1, 2, tree=clone)
     assert out.returncode == 0, out.stderr
-    result = json.loads((tmp_path / "scaling_cpu.json").read_text())
+    assert unchanged(clone)
+    made = clone / "out"
+    result = json.loads((made / "scaling_cpu.json").read_text())
     assert result["workers"] == [1, 2]
     assert result["max_replica_diff"] == {"2": 0.0}
     seen = {(f["system"], f["workers"]): f for f in result["figures"]}
@@ -201,7 +207,7 @@ def test_scaling_cpu_measures_each_worker_count_with_identical_replicas(tmp_path
             assert f["efficiency"] == (1.0 if n == 1 else
                                        f["samples_per_s"] / (n * seen[system, 1]["samples_per_s"]))
     assert ("the demo, peer to peer", 2) in seen
-    assert (tmp_path / "scaling_cpu.png").stat().st_size > 10000
+    assert (made / "scaling_cpu.png").stat().st_size > 10000
     # the table: one row per system, a column per worker count, peer to peer from 2 on
     assert "| system | batch per worker | 1 worker | 2 workers |" in out.stdout
     two = seen["the demo, peer to peer", 2]
@@ -209,10 +215,12 @@ def test_scaling_cpu_measures_each_worker_count_with_identical_replicas(tmp_path
             f"({two['efficiency']:.2f}) |") in out.stdout
 
 
-def test_step_profile_cpu_times_both_steps_and_names_their_kernels(tmp_path):
-    out = script("bench.step_profile", "--cpu", "--out", tmp_path, timeout=600)
+def test_step_profile_cpu_times_both_steps_and_names_their_kernels(clone):
+    out = script("bench.step_profile", "--cpu", tree=clone)
     assert out.returncode == 0, out.stderr
-    result = json.loads((tmp_path / "step_profile_cpu.json").read_text())
+    assert unchanged(clone)
+    made = clone / "out"
+    result = json.loads((made / "step_profile_cpu.json").read_text())
     assert result["command"].startswith("python -m bench.step_profile") and result["batch"] == 500
     assert set(result["systems"]) == {"PyTensor's step (the demo's)", "hand-written JAX step"}
     for system in result["systems"].values():
@@ -224,17 +232,18 @@ def test_step_profile_cpu_times_both_steps_and_names_their_kernels(tmp_path):
 
 
 def test_step_cost_cpu_times_the_plain_written_out_and_both_ordered_steps_and_counts_exchanges(
-        tmp_path):
+        clone):
     """On the CPU the GPU-ordered exchange is a host echo (no kernels), and
     ``--exchange xla`` runs in a world of one over gloo: the script's runs of
     dual_mlp.GpuOrdered and XlaOrdered, their figures and the once-a-step
     counts are what is tested, at one K that holds the local SGD's interval
     of 4 (the CPU's defaults are 1, 10 and 12: the same code at other K)."""
     k = 4
-    out = script("bench.step_cost", "--cpu", "--steps-per-call", k, "--rounds", 3, "--out",
-                 tmp_path, timeout=600)
+    out = script("bench.step_cost", "--cpu", "--steps-per-call", k, "--rounds", 3, tree=clone)
     assert out.returncode == 0, out.stderr
-    result = json.loads((tmp_path / "step_cost_cpu.json").read_text())
+    assert unchanged(clone)
+    made = clone / "out"
+    result = json.loads((made / "step_cost_cpu.json").read_text())
     assert result["command"].startswith("python -m bench.step_cost") and result["target"] == 1.15
     seen = {(f["system"], f["steps_per_call"]): f for f in result["figures"]}
     ordered_systems = ("GPU-ordered step, loopback", "--exchange xla, a world of one")
@@ -255,8 +264,9 @@ def test_step_cost_cpu_times_the_plain_written_out_and_both_ordered_steps_and_co
     assert f"| 100 | {k} |" in out.stdout
 
 
-@pytest.mark.parametrize("name, args", [("gpu_checks", []), ("trace_cost", ["--devices", 0, 0]),
-                                        ("compare", [])])
+@pytest.mark.parametrize("name, args", [
+    ("gpu_checks", []), ("trace_cost", ["--devices", 0, 0]), ("compare", []), ("exchange", []),
+    ("host_time", ["--dataset", SHIPPED]), ("step_profile", [])])
 def test_a_gpu_benchmark_without_a_gpu_is_one_line_and_writes_nothing(tmp_path, name, args):
     import shutil
     if shutil.which("nvidia-smi"):
@@ -264,6 +274,32 @@ def test_a_gpu_benchmark_without_a_gpu_is_one_line_and_writes_nothing(tmp_path, 
     out = script(f"bench.{name}", *args, "--out", tmp_path / "results", timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        f"{name}.py: error: no GPU here (nvidia-smi lists none): nothing was measured and no "
-        "result was written; on a CPU, the benchmarks that have one take --cpu"]
+        f"python -m bench.{name}: error: no GPU here (nvidia-smi lists none): nothing was "
+        "measured and no result was written; on a CPU, the benchmarks that have one take --cpu"]
     assert not (tmp_path / "results").exists()
+
+
+def test_trace_cost_cpu_times_the_same_run_with_and_without_the_trace(clone):
+    """bench/README's command, cheap: two epochs (the first is not counted),
+    one round; into out/, which git ignores."""
+    out = script("bench.trace_cost", "--epochs", 2, "--rounds", 1, tree=clone)
+    assert out.returncode == 0, out.stderr
+    assert unchanged(clone)
+    result = json.loads((clone / "out" / "trace_cost_cpu.json").read_text())
+    (figure,) = result["figures"]
+    assert figure["ordering"] == "--sync host" and figure["rounds_us"]["traced"]
+    assert figure["ratio"] == figure["traced_us"] / figure["untraced_us"] > 0
+    assert "| --sync host |" in out.stdout
+
+
+def test_first_run_times_the_quick_start_cold_and_warm(clone):
+    """bench/README's command, cheap: JAX alone (Numba's first compile takes
+    half a minute), one run of each kind, each cold one in an empty HOME."""
+    out = script("bench.first_run", "--backends", "jax", "--cold-runs", 1, "--warm-runs", 1,
+                 "--speed-runs", 1, "--speed-epochs", 2, tree=clone)
+    assert out.returncode == 0, out.stderr
+    assert unchanged(clone)
+    (figure,) = json.loads((clone / "out" / "first_run_cpu.json").read_text())["figures"]
+    assert figure["backend"] == "JAX (the default)" and figure["linker"] == "JAXLinker"
+    assert figure["cold_wall_s"] > figure["cold_compile_s"] > 0 and figure["step_us"] > 0
+    assert figure["speed_vs_numba"] is None and "(Numba not run) |" in out.stdout

@@ -478,7 +478,7 @@ def test_tables_from_a_file_that_is_not_a_results_file_is_one_line(tmp_path):
     for name in ("bench.accuracy", "bench.compare", "bench.step_cost"):
         out = script(name, "--tables-from", empty, timeout=60)
         assert out.returncode == 1 and out.stderr.strip().splitlines() == [
-            f"{name.split('.')[1]}.py: error: --tables-from {empty}: not a results file of "
+            f"python -m {name}: error: --tables-from {empty}: not a results file of "
             f"{name.split('.')[1]}.py"], out.stderr
 
 
