@@ -101,34 +101,15 @@ def invocation():
     return ["-m", spec.name] if spec else [os.path.relpath(sys.argv[0], ROOT)]
 
 
-def commit():
-    """The commit the code measured was at (``DUAL_MLP_COMMIT`` where the
-    working tree travelled without git, as to a device), with ``+changes``
-    where the tracked files differ from it; None where nobody knows."""
-    if os.environ.get("DUAL_MLP_COMMIT"):
-        return os.environ["DUAL_MLP_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=30)
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
-                                  ".", ":!bench/results"], cwd=ROOT, capture_output=True,
-                                 text=True, timeout=30)
-    except OSError:
-        return None
-    if head.returncode:
-        return None
-    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
-
-
 def record(name, out_dir, **results):
     """Write ``<out_dir>/<name>.json`` with the date, machine, commit and command line."""
+    from multi_gpu.records import code_commit, write_json
     os.makedirs(out_dir, exist_ok=True)
     document = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     command=shlex.join(["python", *invocation(), *sys.argv[1:]]),
-                    commit=commit(), machine=machine(), **results)
+                    commit=code_commit(), machine=machine(), **results)
     path = os.path.join(out_dir, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump(document, f, indent=2)
+    write_json(path, document)  # whole, or the file as it was
     print(f"wrote {path}")
     return path
 

@@ -25,6 +25,7 @@ import math
 import os
 import platform
 import stat
+import subprocess
 import sys
 import tempfile
 import zipfile
@@ -244,9 +245,28 @@ class Progress:
                     training_time_s=self.train_s)
 
 
+def code_commit():
+    """The commit the code that runs is at (``DUAL_MLP_COMMIT`` where the
+    working tree travelled without git, as to a device), with ``+changes``
+    where the tracked files differ from it; None where nobody knows."""
+    if os.environ.get("DUAL_MLP_COMMIT"):
+        return os.environ["DUAL_MLP_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=datasets.ROOT,
+                              capture_output=True, text=True, timeout=30)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                  ".", ":!bench/results"], cwd=datasets.ROOT, capture_output=True,
+                                 text=True, timeout=30)
+    except OSError:
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
+
+
 def run_header(command):
     """The summary's first entries: what ran, when, where."""
-    return dict(command=command,
+    return dict(command=command, commit=code_commit(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 host=platform.node())
 

@@ -141,12 +141,12 @@ def timeline(args, tracer, rundir, trainer, say):
     traces = trace.gather(rundir, range(first, first + n_local), args.timeout)
     title = (f"python dual_mlp.py {' '.join(args.devices)}: {trainer.route}, batch "
              f"{args.batch_size} per worker")
+    about = dict(title=title, command=args.command, commit=records.code_commit(),
+                 window=dict(epoch=args.trace_from, steps=args.trace_steps,
+                             first_step=tracer.first, steps_per_epoch=trainer.n_steps),
+                 clock="CLOCK_MONOTONIC, ns, one clock for the machine")
     document = trace.chrome_trace(traces, {first + i: d for i, d in enumerate(args.devices)},
-                                  dict(title=title, command=args.command, window=dict(
-                                      epoch=args.trace_from, steps=args.trace_steps,
-                                      first_step=tracer.first,
-                                      steps_per_epoch=trainer.n_steps),
-                                       clock="CLOCK_MONOTONIC, ns, one clock for the machine"))
+                                  about)
     records.write_json_or_show(args.trace, document, f"worker {tracer.rank}")
     picture = trace.plot(document, os.path.splitext(args.trace)[0] + ".png")
     say(f"... the timeline of steps from epoch {args.trace_from} is in {args.trace}"

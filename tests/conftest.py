@@ -81,6 +81,12 @@ def clone(tmp_path_factory):
     return folder / "dual_mlp"
 
 
+def head_of(tree):
+    """The commit ``tree`` has checked out, as results files name it."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
 def unchanged(clone):
     """Is ``clone`` as git checked it out: nothing changed, nothing new that git does not ignore?"""
     return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=clone,

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import made_once, script, unchanged
+from conftest import head_of, made_once, script, unchanged
 from multi_gpu.datasets import SHIPPED
 
 
@@ -23,7 +23,9 @@ def test_compare_cpu_puts_the_demo_beside_the_references_and_the_floor(clone):
     assert out.returncode == 0, out.stderr
     made = clone / "out"
     result = json.loads((made / "compare_cpu.json").read_text())
-    assert result["complete"] is True and result["command"].startswith("python -m bench.compare")
+    assert result["complete"] is True and result["command"] == (
+        "python -m bench.compare --cpu --batches 100 --steps 12")  # as typed, in the clone
+    assert result["commit"] == head_of(clone)
     assert result["cores"] and len(result["load"]) == 3
     systems = {f["system"]: f for f in result["figures"]}
     demos = {"one process (mlp.py), twice the batch", "demo cpu cpu",

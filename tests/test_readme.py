@@ -3,6 +3,7 @@ command in them runs as typed from the repository's root, every results file
 they name is in git, and every table is what its results file generates."""
 import concurrent.futures
 import importlib
+import json
 import os
 import re
 import shlex
@@ -12,7 +13,7 @@ import textwrap
 
 import pytest
 
-from conftest import ROOT, dual, unchanged
+from conftest import ROOT, dual, head_of, unchanged
 
 READMES = (ROOT / "README.md", ROOT / "bench" / "README.md")
 
@@ -128,6 +129,9 @@ def test_a_readme_command_writes_only_where_git_ignores_unless_it_refreshes_the_
     out = dual(*traced[2:5], 2, *traced[6:], tree=clone)
     assert out.returncode == 0, out.stderr
     assert (clone / traced[-1]).exists() and (clone / traced[-1].replace(".json", ".png")).exists()
+    about = json.loads((clone / traced[-1]).read_text())["otherData"]
+    assert about["command"] == shlex.join(traced[:5] + ["2"] + traced[6:])
+    assert about["commit"] == head_of(clone)  # the code it ran, named
     assert unchanged(clone)
 
 
