@@ -58,6 +58,16 @@ def worker_environment(dev, n_local, one_machine=True):
     return env
 
 
+def limit_blas_threads(env):
+    """NumPy's BLAS took its number of threads as the launcher imported it:
+    a forked CPU worker sets its own part of the cores (``env``'s, from
+    ``worker_environment``), or two workers' BLAS threads fight over every
+    core (Numba's step, which calls BLAS, ran 4 to 10 times slower)."""
+    if env.get("OPENBLAS_NUM_THREADS"):
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(int(env["OPENBLAS_NUM_THREADS"]), user_api="blas")
+
+
 def preload():
     """Import, once, what every worker imports: each is forked from the
     launcher and finds it loaded (a second of CPU a worker).  JAX is
@@ -117,6 +127,7 @@ class Forked:
             forget_the_launchers_state()
             os.environ.clear()
             os.environ.update(env)
+            limit_blas_threads(env)
             import jax  # JAX read JAX_PLATFORMS as the launcher imported it
             jax.config.update("jax_platforms", env.get("JAX_PLATFORMS"))
             # (descriptor 1 is open: /dev/null where the launcher started without, flags.py)

@@ -248,15 +248,16 @@ class Progress:
 def code_commit():
     """The commit the code that runs is at (``DUAL_MLP_COMMIT`` where the
     working tree travelled without git, as to a device), with ``+changes``
-    where the tracked files differ from it; None where nobody knows."""
+    where the tracked files differ from it (results and the READMEs, which a
+    refresh rewrites, aside); None where nobody knows."""
     if os.environ.get("DUAL_MLP_COMMIT"):
         return os.environ["DUAL_MLP_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=datasets.ROOT,
                               capture_output=True, text=True, timeout=30)
         changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
-                                  ".", ":!bench/results"], cwd=datasets.ROOT, capture_output=True,
-                                 text=True, timeout=30)
+                                  ".", ":!bench/results", ":!*.md"], cwd=datasets.ROOT,
+                                 capture_output=True, text=True, timeout=30)
     except OSError:
         return None
     if head.returncode:

@@ -133,6 +133,7 @@ def test_the_lesson_and_each_module_fit_in_600_lines():
 STEP_PROFILER = """
 import json, os, sys
 sys.path.insert(0, os.getcwd())
+import threadpoolctl
 import dual_mlp
 epoch = dual_mlp.HostOrdered.epoch
 
@@ -143,23 +144,38 @@ def profiled(self, n_steps):  # every function call of the epoch's steps, by fil
         epoch(self, n_steps)
     finally:
         sys.setprofile(None)
-    with open(os.path.join(sys.argv[1], f"files{self.rank}.json"), "w") as f:
-        json.dump(sorted(seen), f)
+    blas = [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"]
+    with open(os.path.join(sys.argv[1], f"worker{self.rank}.json"), "w") as f:
+        json.dump(dict(files=sorted(seen), blas_threads=blas), f)
 dual_mlp.HostOrdered.epoch = profiled
 sys.exit(dual_mlp.main(sys.argv[2:]))
 """
 
 
-def test_one_step_runs_python_of_three_project_files_at_most(tmp_path):
-    """The Quick start's step, traced in each worker (``sys.setprofile``):
-    whatever a reader of the step follows is in dual_mlp.py and two files
-    of the package at most (the model's own step is compiled: it runs no
-    Python of mlp.py)."""
-    out = subprocess.run([sys.executable, "-c", STEP_PROFILER, str(tmp_path), "--epochs", "1"],
+@pytest.fixture(scope="module")
+def quick_start_workers(tmp_path_factory):
+    """The Quick start's run, one epoch, each worker's step traced
+    (``sys.setprofile``) and its BLAS threads counted (threadpoolctl)."""
+    folder = tmp_path_factory.mktemp("profiled")
+    out = subprocess.run([sys.executable, "-c", STEP_PROFILER, str(folder), "--epochs", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    for rank in (0, 1):
-        called = json.loads((tmp_path / f"files{rank}.json").read_text())
-        ours = {os.path.relpath(f, ROOT) for f in called
+    return [json.loads((folder / f"worker{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_one_step_runs_python_of_three_project_files_at_most(quick_start_workers):
+    """Whatever a reader of the step follows is in dual_mlp.py and two files
+    of the package at most (the model's own step is compiled: it runs no
+    Python of mlp.py)."""
+    for worker in quick_start_workers:
+        ours = {os.path.relpath(f, ROOT) for f in worker["files"]
                 if f.startswith(str(ROOT) + os.sep) and not f.startswith(sys.prefix)}
         assert "dual_mlp.py" in ours and len(ours) <= 3, ours
+
+
+def test_a_forked_cpu_worker_keeps_to_its_part_of_the_cores(quick_start_workers):
+    """NumPy's BLAS took its threads as the launcher imported it; each of
+    the two CPU workers uses half the cores (a Numba step, which calls BLAS,
+    ran 4 to 10 times slower with both on every core)."""
+    for worker in quick_start_workers:
+        assert set(worker["blas_threads"]) == {max(1, (os.cpu_count() or 2) // 2)}, worker
