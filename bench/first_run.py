@@ -130,7 +130,7 @@ def main():
                    help="epochs of each timed run (default: %(default)s)")
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
                    help="which CPU backends (default: %(default)s); Numba's first compile takes "
-                        "half a minute or more")
+                        "tens of seconds")
     p.add_argument("--out", default=OUT, help="folder for first_run_cpu.json")
     args = parse_args(p, table)
     with tempfile.TemporaryDirectory(prefix="first-run-") as tmp:

@@ -45,7 +45,7 @@ def cpu_backend():
     """The backend a CPU worker compiles with: PyTensor's JAX backend, unless
     the flags name another mode (``THEANO_FLAGS=mode=NUMBA``, ``DebugMode``,
     ...).  JAX by default because a newcomer's first run is a compile: XLA
-    builds the model in seconds where Numba takes half a minute, keeps its
+    builds the model in seconds where Numba takes tens of seconds, keeps its
     programs for the next run (``keep_compiled_programs``), and steps about
     as fast (bench/first_run.py measures all three)."""
     return "JAX" if flags.MODE in CPU_DEFAULT_MODES else "flags"

@@ -46,7 +46,7 @@ def compiling(what, mode=None, where="cpu"):
     on ``where``: which backend, and how long a first run takes."""
     backend = cli.backend_name(mode)
     # as bench/README.md's first-run table has them (XLA on a GPU: seconds too)
-    first = {"JAX": "a few seconds", "Numba": "half a minute or more"}.get(backend,
+    first = {"JAX": "a few seconds", "Numba": "tens of seconds"}.get(backend,
                                                                           "a minute or so")
     later = (f"load XLA's programs from {cli.tilde(xla_cache.jax_cache_folder())}"
              if backend == "JAX" else "use the cache")

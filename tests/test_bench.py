@@ -296,7 +296,7 @@ def test_trace_cost_cpu_times_the_same_run_with_and_without_the_trace(clone):
 
 def test_first_run_times_the_quick_start_cold_and_warm(clone):
     """bench/README's command, cheap: JAX alone (Numba's first compile takes
-    half a minute), one run of each kind, each cold one in an empty HOME."""
+    tens of seconds), one run of each kind, each cold one in an empty HOME."""
     out = script("bench.first_run", "--backends", "jax", "--cold-runs", 1, "--warm-runs", 1,
                  "--speed-runs", 1, "--speed-epochs", 2, tree=clone)
     assert out.returncode == 0, out.stderr
