@@ -116,6 +116,18 @@ def script(name, *args, env=None, timeout=600, cwd=None, tree=ROOT):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def as_a_terminal_starts(argv):
+    """``argv`` with Ctrl-C's signals at their defaults, as a terminal starts
+    a command (a test runner's worker may ignore them, and an ignored signal
+    stays ignored across exec): a fresh interpreter sets them and becomes
+    ``argv``, so that no Python runs in a child forked from a test's process,
+    where JAX's threads may hold a lock."""
+    return [sys.executable, "-c", "import os, signal, sys; "
+            "signal.signal(signal.SIGINT, signal.SIG_DFL); "
+            "signal.signal(signal.SIGQUIT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])",
+            *map(str, argv)]
+
+
 def dual(*args, **kw):
     return script("dual_mlp.py", *args, **kw)
 

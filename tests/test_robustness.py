@@ -22,8 +22,9 @@ import psutil
 import pytest
 
 from multi_gpu import datasets
-from conftest import (ROOT, dual, environment, finish, leftover_workers, run_directories, script,
-                      start_dual, wait_for, wait_until_training, workers_of)
+from conftest import (ROOT, as_a_terminal_starts, dual, environment, finish, leftover_workers,
+                      run_directories, script, start_dual, wait_for, wait_until_training,
+                      workers_of)
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups, mounts)")
 
@@ -58,12 +59,9 @@ def pipeline(command, log):
     it, Ctrl-C's signals at their defaults (a test runner's worker may
     ignore them, and a shell keeps an ignored signal ignored): (the shell,
     the launcher's pid)."""
-    def as_a_terminal_starts_it():
-        for signum in (signal.SIGINT, signal.SIGQUIT):
-            signal.signal(signum, signal.SIG_DFL)
-    shell = subprocess.Popen(["sh", "-c", f"{command} 2>&1 | tee {log} >/dev/null"],
-                             env=environment(), start_new_session=True,
-                             preexec_fn=as_a_terminal_starts_it)
+    shell = subprocess.Popen(as_a_terminal_starts(["sh", "-c", f"{command} 2>&1 | tee {log} "
+                                                                ">/dev/null"]),
+                             env=environment(), start_new_session=True)
     launcher = wait_for(lambda: next((p for p in psutil.Process(shell.pid).children()
                                       if "dual_mlp.py" in " ".join(p.cmdline())), None), 30,
                         "the launcher")

@@ -11,7 +11,7 @@ import sys
 import psutil
 import pytest
 
-from conftest import ROOT, dual, environment, refused, run_once, wait_for
+from conftest import ROOT, as_a_terminal_starts, dual, environment, refused, run_once, wait_for
 from multi_gpu import trace
 
 HOST_PHASES = ["train", "publish", "signal", "copy", "signal", "average"]
@@ -310,10 +310,10 @@ def test_the_trace_tool_stopped_mid_write_leaves_no_temporary(traced, tmp_path, 
     """Ctrl-C or SIGTERM while the picture is being written: one word, no
     traceback, and neither the picture nor its temporary left."""
     (tmp_path / "run.json").write_text(json.dumps(traced[1]))
-    proc = subprocess.Popen([sys.executable, "-m", "multi_gpu.trace", str(tmp_path / "run.json")],
+    proc = subprocess.Popen(as_a_terminal_starts([sys.executable, "-m", "multi_gpu.trace",
+                                                  tmp_path / "run.json"]),
                             cwd=ROOT, env=environment({"DUAL_MLP_FAULT": "trace:write:stop"}),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 60,
              "the picture's write")
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
