@@ -207,8 +207,9 @@ def write_block(name, text):
         if updated == content:
             print(f"the {name} table in {os.path.relpath(doc, ROOT)} is unchanged")
             continue
-        with open(doc, "w") as f:
-            f.write(updated)
+        from multi_gpu.files import atomic_write
+        with atomic_write(doc) as f:  # the README whole, or as it was
+            f.write(updated.encode())
         print(f"updated the {name} table in {os.path.relpath(doc, ROOT)}")
 
 

@@ -198,10 +198,12 @@ class Worker:
         self.proc = Forked(functools.partial(start, index, os.getpid(), rundir),
                            worker_environment(dev, n_local, one_machine), f"dual_mlp w{rank}")
         self.tail = collections.deque(maxlen=200)
+        self.last_word = 0.0  # when its last line of error output came (monotonic)
         self.pump = threading.Thread(target=self._pass_stderr, daemon=True)
 
     def _pass_stderr(self):
         for line in self.proc.stderr:
+            self.last_word = time.monotonic()
             if not Worker.quiet and self.SPOKEN.fullmatch(line.rstrip()):
                 cli.say(line, end="", file=sys.stderr)
             self.tail.append(line.rstrip())
@@ -385,14 +387,20 @@ def watch(workers, rundir, link, patience):
     return None
 
 
+def by_cause(failed):
+    """The failed workers, the cause first: one killed by a signal, then one
+    that said what went wrong in our own words, then the one whose error came
+    first; the others' errors may only follow from theirs (a peer's socket
+    gone between its poll and its send)."""
+    return sorted(failed, key=lambda w: (w.proc.returncode > 0, not w.said_why(), w.last_word))
+
+
 def what_failed(workers, failed, stalled, verdict, link, rundir, patience):
     """Stop the workers, and say what failed first, where (the launch's
     result); None where Ctrl-C reached the workers first."""
     at = position(rundir, workers[0].rank)
     left = stop(workers)
-    # the cause first: a worker killed by a signal, then one that said what went
-    # wrong in our own words; the others' errors may only follow from theirs
-    failed.sort(key=lambda w: (w.proc.returncode > 0, not w.said_why()))
+    failed = by_cause(failed)
     if any(w.proc.returncode == 128 + signal.SIGPIPE for w in failed):
         return 128 + signal.SIGPIPE, "", None, False  # stdout was closed: end as quietly
     if failed and all(w.proc.returncode in (130, 143) for w in failed) and not verdict:

@@ -241,8 +241,8 @@ class StepClock:
     FAULTS = {"train": "train", "copy": "exchange"}  # DUAL_MLP_FAULT's places in the step
 
     def __init__(self, rank, nbytes, tracer=None):
-        self.totals, self.tracer, self.rank, self.nbytes = collections.defaultdict(float), \
-            tracer, rank, nbytes
+        self.rank, self.nbytes, self.tracer = rank, nbytes, tracer
+        self.totals = collections.defaultdict(float)
         # the fault tests' hook, only where DUAL_MLP_FAULT names this worker and a phase
         self.faulty = {name for name, where in self.FAULTS.items()
                        if FAULT[:2] == [str(rank), where]}

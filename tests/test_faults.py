@@ -32,6 +32,24 @@ def test_a_dying_worker_stops_the_run_and_is_named(no_leftovers, fault, cause):
     assert last.startswith(f"error: worker {rank} (device cpu) failed: ") and cause in last
 
 
+def test_the_worker_named_is_the_cause_not_a_peer_that_failed_after_it():
+    """Both workers fail with a traceback: worker 1 raised, and worker 0's
+    send, between its poll and its send, found worker 1's socket gone
+    (zmq.Again): the launcher names the one whose error came first, whatever
+    its rank.  A signal's kill, then our own one-line words, come before."""
+    import types
+
+    from multi_gpu.launcher import by_cause
+
+    def worker(rank, code, said, at):
+        return types.SimpleNamespace(rank=rank, proc=types.SimpleNamespace(returncode=code),
+                                     said_why=lambda: said, last_word=at)
+    raised, peer_gone = worker(1, 1, False, 10.0), worker(0, 1, False, 10.2)
+    assert by_cause([peer_gone, raised]) == [raised, peer_gone]
+    killed, worded = worker(2, -9, False, 11.0), worker(3, 1, True, 12.0)
+    assert by_cause([peer_gone, raised, worded, killed]) == [killed, worded, raised, peer_gone]
+
+
 def test_launcher_stops_within_10_s_of_a_worker_killed_from_outside(no_leftovers):
     proc = start_dual("cpu", "cpu", "--epochs", 1000)
     wait_until_training(proc)
