@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import errno
 import fcntl
+import functools
 import io
 import json
 import math
@@ -33,6 +34,7 @@ import zipfile
 import numpy as np
 
 from multi_gpu import cli, datasets, files
+from multi_gpu.links import Layout
 from multi_gpu.worker import fault_point
 
 
@@ -198,8 +200,8 @@ class Progress:
         --resume), its current weights set in ``model``."""
         if not checkpoint:
             return cls(model.get_params())
-        shapes = [p.get_value(borrow=True).shape for p in model.params]
-        current, best, state = load_checkpoint(checkpoint, shapes, TRAINING_STATE)
+        current, best, state = load_checkpoint(checkpoint, Layout.of(model.params).shapes,
+                                               TRAINING_STATE)
         state.pop("config", None)  # the launcher compared it with this run's
         model.set_params(current)
         return cls(best, **state)
@@ -245,6 +247,7 @@ class Progress:
                     training_time_s=self.train_s)
 
 
+@functools.cache  # a process's code does not change under it: git is asked once
 def code_commit():
     """The commit the code that runs is at (``DUAL_MLP_COMMIT`` where the
     working tree travelled without git, as to a device), with ``+changes``
