@@ -24,7 +24,8 @@ full precision (no TF32), the whole training set resident on each GPU.
   jitted, weights donated, the minibatch picked by a counter on the device,
   K steps a call (``multi_gpu.trainer.repeat``), the host running ahead.
 
-``--out DIR`` also records the result (``references_SYSTEM.json``).
+``--out DIR`` also records the result (``references_SYSTEM.json``, or
+``references_SYSTEM_kK.json`` for K steps a call).
 Each batch size is warmed up, then timed over ``--steps`` steps with the
 device synchronised only at both ends.  Prints one JSON object:
 {batch: {"samples_per_s", "step_us", "gpus"}}.
@@ -41,6 +42,7 @@ import time
 
 import numpy as np
 
+from bench.common import prog, record
 from multi_gpu import datasets
 from multi_gpu.cli import Parser
 
@@ -409,20 +411,27 @@ def ddp(args):
 
 
 def main():
-    parser = Parser(about=__doc__)
+    parser = Parser(prog=prog(), about=__doc__)
     parser.add_argument("system", choices=("torch", "torch-compile", "torch-graph", "ddp",
-                                           "ddp-graph", "jax", "pytensor"))
-    parser.add_argument("--dataset", required=True)
-    parser.add_argument("--batches", type=int, nargs="+", required=True, help="per GPU")
-    parser.add_argument("--steps", type=int, default=200)
+                                           "ddp-graph", "jax", "pytensor"),
+                        help="the reference to time (each is described above)")
+    parser.add_argument("--dataset", required=True,
+                        help="a folder of MNIST-format files (Debian's dataset-fashion-mnist: "
+                             "/usr/share/datasets/fashion-mnist)")
+    parser.add_argument("--batches", type=int, nargs="+", required=True,
+                        help="the batch sizes to time, examples per GPU a step")
+    parser.add_argument("--steps", type=int, default=200,
+                        help="steps timed at each batch size, after a warm-up")
     parser.add_argument("--steps-per-call", type=int, default=1,
                         help="jax, pytensor: steps in one compiled call")
     parser.add_argument("--curve", action="store_true",
                         help="train --epochs at the first batch size and print the learning "
                              "curve instead of the speed")
-    parser.add_argument("--epochs", type=int, default=100)
-    parser.add_argument("--learning-rate", type=float, default=DEFAULTS.learning_rate)
-    parser.add_argument("--l2", type=float, default=DEFAULTS.l2)
+    parser.add_argument("--epochs", type=int, default=100, help="--curve: epochs to train")
+    parser.add_argument("--learning-rate", type=float, default=DEFAULTS.learning_rate,
+                        help="SGD's step size")
+    parser.add_argument("--l2", type=float, default=DEFAULTS.l2,
+                        help="the weight of the L2 penalty in the cost")
     parser.add_argument("--cpu", action="store_true",
                         help="on the CPU: torch on all the cores, ddp as two processes over "
                              "gloo, jax over the CPU devices XLA_FLAGS gives it")
@@ -438,8 +447,9 @@ def main():
     result = ddp(args) if args.system.startswith("ddp") else job(args, datasets.read(args.dataset))
     print(json.dumps(result))
     if args.out:
-        from bench.common import record
-        record(f"references_{args.system}", args.out, result=result)
+        name = f"references_{args.system}"
+        record(name + (f"_k{args.steps_per_call}" if args.steps_per_call > 1 else ""),
+               args.out, result=result)
 
 
 if __name__ == "__main__":
