@@ -552,7 +552,7 @@ def worker(args, rank, world, dev, rundir, watchdog):
                              time.perf_counter() - start_time, device, say)
             progress.check_saved(args.save)
         if tracer:
-            report.timeline(args, tracer, rundir, trainer, say)
+            report.timeline(args, tracer, rundir, trainer, device, say)
 
 
 # -----------------------------------------------------------------------------

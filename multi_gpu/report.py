@@ -129,7 +129,7 @@ def summarise(args, progress, trainer, n_steps, world, wall, device, say):
     records.write_json_or_show(args.json, summary, "worker 0")
 
 
-def timeline(args, tracer, rundir, trainer, say):
+def timeline(args, tracer, rundir, trainer, device, say):
     """--trace: this worker's spans into the run folder; the first worker of
     each machine merges its machine's into the trace and draws its picture."""
     tracer.write(rundir)
@@ -141,7 +141,8 @@ def timeline(args, tracer, rundir, trainer, say):
     traces = trace.gather(rundir, range(first, first + n_local), args.timeout)
     title = (f"python dual_mlp.py {' '.join(args.devices)}: {trainer.route}, batch "
              f"{args.batch_size} per worker")
-    about = dict(title=title, command=args.command, commit=records.code_commit(),
+    about = dict(title=title, **records.run_header(args.command),
+                 device_name=device.description,
                  window=dict(epoch=args.trace_from, steps=args.trace_steps,
                              first_step=tracer.first, steps_per_epoch=trainer.n_steps),
                  clock="CLOCK_MONOTONIC, ns, one clock for the machine")

@@ -9,6 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 import textwrap
 
 import pytest
@@ -131,7 +132,9 @@ def test_a_readme_command_writes_only_where_git_ignores_unless_it_refreshes_the_
     assert (clone / traced[-1]).exists() and (clone / traced[-1].replace(".json", ".png")).exists()
     about = json.loads((clone / traced[-1]).read_text())["otherData"]
     assert about["command"] == shlex.join(traced[:5] + ["2"] + traced[6:])
-    assert about["commit"] == head_of(clone)  # the code it ran, named
+    assert about["commit"] == head_of(clone)  # the code it ran, named, when and where
+    assert about["date"].startswith(time.strftime("%Y-", time.gmtime()))
+    assert about["device_name"] and about["host"]
     assert unchanged(clone)
 
 
