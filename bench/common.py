@@ -15,10 +15,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")  # the committed ones, which the READMEs cite
 OUT = os.path.join(ROOT, "out")  # a user's, by default: git ignores it
+STARTED = time.monotonic()  # the benchmark's start, near enough: it imports this first
 SCRIPT = os.path.basename(sys.argv[0])  # the benchmark that runs, for its messages: accuracy.py
 
 
@@ -102,12 +104,15 @@ def invocation():
 
 
 def record(name, out_dir, **results):
-    """Write ``<out_dir>/<name>.json`` with the date, machine, commit and command line."""
+    """Write ``<out_dir>/<name>.json`` with the date, machine, commit and command
+    line, and the seconds the benchmark has run so far (what its command costs)."""
     from multi_gpu.records import code_commit, write_json
     os.makedirs(out_dir, exist_ok=True)
     document = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     command=shlex.join(["python", *invocation(), *sys.argv[1:]]),
-                    commit=code_commit(), machine=machine(), **results)
+                    commit=code_commit(), machine=machine(),
+                    wall_s=round(time.monotonic() - STARTED, 1))
+    document.update(results)  # compare's own wall_s: the same, counted from its start
     path = os.path.join(out_dir, f"{name}.json")
     write_json(path, document)  # whole, or the file as it was
     print(f"wrote {path}")

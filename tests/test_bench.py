@@ -1,5 +1,6 @@
 """The benchmark script itself, on its CPU subset: real runs, real figures."""
 import json
+import time
 
 import pytest
 
@@ -241,12 +242,15 @@ def test_step_cost_cpu_times_the_plain_written_out_and_both_ordered_steps_and_co
     counts are what is tested, at one K that holds the local SGD's interval
     of 4 (the CPU's defaults are 1, 10 and 12: the same code at other K)."""
     k = 4
+    started = time.monotonic()
     out = script("bench.step_cost", "--cpu", "--steps-per-call", k, "--rounds", 3, tree=clone)
+    took = time.monotonic() - started
     assert out.returncode == 0, out.stderr
     assert unchanged(clone)
     made = clone / "out"
     result = json.loads((made / "step_cost_cpu.json").read_text())
     assert result["command"].startswith("python -m bench.step_cost") and result["target"] == 1.15
+    assert took / 2 < result["wall_s"] < took  # what its command costs, start-up and all
     seen = {(f["system"], f["steps_per_call"]): f for f in result["figures"]}
     ordered_systems = ("GPU-ordered step, loopback", "--exchange xla, a world of one")
     local = "GPU-ordered step, --average-every 4"  # at the K that are multiples of 4 only
