@@ -455,14 +455,12 @@ def main():
                       dataset=args.dataset, cores=sorted(os.sched_getaffinity(0)),
                       load=os.getloadavg(),
                       epoch_steps=args.epoch_steps, min_steps=args.steps, versions=versions)
-    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         try:
             tiles = Tiles(args.dataset, tmp, args.epoch_steps)
         except datasets.DatasetError as e:
             sys.exit(f"{SCRIPT}: error: {e}")
         (cpu_runs if args.cpu else gpu_runs)(args, tiles, tmp, figures)
-    figures.meta["wall_s"] = time.perf_counter() - started  # the whole benchmark
     path = figures.write(complete=True)
     plot(figures, os.path.join(args.out, f"{name}.png"))
     show(path, table)
