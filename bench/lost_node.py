@@ -51,18 +51,24 @@ def workers_of(pid):
     return found
 
 
-def strike(fault, node0, node1, hosts, later=0.0):
-    """Once node 0 has trained an epoch (and ``later`` seconds more),
+def strike(fault, node0, node1, hosts, into=0.0):
+    """Once node 0 has trained an epoch (and the fraction ``into`` of the
+    next, counted in the first one's time: in seconds, a fault would land in
+    a later epoch, or after the run, on a faster machine),
     ``FAULTS[fault]`` strikes node 1; returns when (monotonic seconds)."""
+    began = None
     for line in node0.stdout:
-        if line.startswith("epoch 1/"):
+        if line.startswith("... training"):
+            began = time.monotonic()
+        elif line.startswith("epoch 1/"):
             break
     else:
         raise RuntimeError(f"{fault}: node 0 ended before its first epoch: {node0.stderr.read()}")
+    epoch = time.monotonic() - began if began else 0.0
     deadline = time.monotonic() + 10
     while not workers_of(node1.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(later)
+    time.sleep(into * epoch)
     FAULTS[fault](hosts[1], workers_of(node1.pid)[0])
     return time.monotonic()
 

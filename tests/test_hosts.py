@@ -107,7 +107,7 @@ def run_on_hosts(folder):
         # each struck as soon as it has trained its first epoch: the others train meanwhile
         with concurrent.futures.ThreadPoolExecutor(len(struck) + 1) as pool:
             killed = pool.submit(strike, "killed worker", *restarted, pairs["restarted"],
-                                 random.uniform(0, 0.3))
+                                 random.uniform(0, 0.9))  # into its second epoch
             took = dict(zip(struck, pool.map(lambda name: time_to_stop(
                 name, *struck[name], pairs[name]), struck)))
             killed.result()
