@@ -50,8 +50,8 @@ import zmq
 
 import mlp
 from logistic_sgd import load_data
-from multi_gpu import (cli, datasets, devices, files, launcher, links, records, report,
-                       request, trace, xla_cache)
+from multi_gpu import (cli, datasets, devices, files, links, records, report, request,
+                       restarts, trace, xla_cache)
 from multi_gpu.devices import place, storage
 from multi_gpu.links import Layout, XlaExchange
 from multi_gpu.trainer import (AHEAD, DeviceOrdered, Peer, PeerError, StepClock, Trainer,
@@ -464,8 +464,8 @@ class XlaOrdered(DeviceOrdered):
         *self.state, cost = self.programs[steps](self.data, *self.state)
         return cost
 
-    def done(self, cost):
-        return cost.is_ready()
+    def done(self, cost):  # ready, and raises where its all-reduce lost a worker (a node gone)
+        return cost.is_ready() and cost.block_until_ready() is not None
 
     def device_weights(self):
         return [self.link.local(p) for p in self.state[1]]
@@ -545,7 +545,7 @@ def worker(args, rank, world, dev, rundir, watchdog):
                                    model.get_params)
             say(report.validated(args, epoch, n_steps, world, progress, samples_per_s))
             if args.save:
-                progress.save(args.save, model.get_params(), args.trained_with)
+                progress.save(args.save, model.get_params(), args.trained_with, args.run_id)
         trainer.finish()
         if rank == 0:
             report.summarise(args, progress, trainer, n_steps, world,
@@ -574,7 +574,7 @@ def main(argv=None):
         # survive the fork (2014 forked first, then imported Theano)
         start = functools.partial(run_worker, worker, one_line_errors=(
             PeerError, records.CheckpointError, datasets.DatasetError, report.Diverged))
-        code = launcher.supervise(args, shapes, start, rundir, link)
+        code = restarts.supervise(args, shapes, start, rundir, link)
     if code == 0:
         cli.say(report.ended(args, time.perf_counter() - started))
     return code

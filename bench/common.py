@@ -223,12 +223,23 @@ def tables_from(path, table):
     one its results file names) from a results file."""
     try:
         document = load(path)
-        text = table(document)
+        table(document)  # another script's results fail here, in one line
     except (OSError, ValueError) as e:
         sys.exit(f"{prog()}: error: --tables-from {path}: {getattr(e, 'strerror', None) or e}")
     except (KeyError, TypeError, AttributeError):
         sys.exit(f"{prog()}: error: --tables-from {path}: not a results file of {SCRIPT}")
-    write_block(block_name(document, SCRIPT), text)
+    write_tables(document, table)
+
+
+def write_tables(document, table):
+    """The blocks a results file makes: its table (``block_name``), and,
+    where its script has a ``summary`` (one line, for README.md's page),
+    that too, as the block ``NAME summary``."""
+    name = block_name(document, SCRIPT)
+    write_block(name, table(document))
+    summary = getattr(sys.modules[table.__module__], "summary", None)
+    if summary:
+        write_block(f"{name} summary", summary(document))
 
 
 def show(path, table):
@@ -240,7 +251,7 @@ def show(path, table):
     text = table(document)
     print(text)
     if os.path.abspath(path).startswith(RESULTS + os.sep):
-        write_block(block_name(document, SCRIPT), text)
+        write_tables(document, table)
 
 
 def block_name(document, script):

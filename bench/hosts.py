@@ -113,6 +113,13 @@ FAULTS = {
 }
 
 
+# The ways node 0 is lost, as they strike it: ``NODE0_FAULTS[name](host)``
+NODE0_FAULTS = {
+    "node 0 killed": lambda host: host.signal(signal.SIGKILL),
+    "node 0 cut": lambda host: host.cut(),
+}
+
+
 def two_nodes(node0, rank):
     """README.md's arguments for node ``rank`` of a run of two CPU machines,
     one worker each, node 0 on test host ``node0``."""

@@ -401,9 +401,14 @@ def add_run_options(p, timeout):
                         "step) before it reports them stalled (default: %(default)s)")
     p.add_argument("--max-restarts", type=non_negative_int, default=0, metavar="N",
                    help="where a worker fails or stops, start every worker (of every node) "
-                        "again from the last --save checkpoint (else from the start), at most "
-                        "N times, as torchrun's --max-restarts; a node lost ends the run "
+                        "again from this run's last --save checkpoint (else from where it "
+                        "began), at most N times, as torchrun's --max-restarts; where a node is "
+                        "lost, node 0 too, the others wait for its command to be started "
+                        "again (--rejoin-timeout), and each return is a restart "
                         "(default: %(default)s)")
+    p.add_argument("--rejoin-timeout", type=seconds, default=300, metavar="SECONDS",
+                   help="--max-restarts on several machines: how long the other nodes wait "
+                        "for a lost node to come back (default: %(default)s)")
     p.add_argument("--nodes", type=positive_int, default=1,
                    help="machines taking part, each running this launcher with its own "
                         "devices, the same number on each (default: %(default)s)")

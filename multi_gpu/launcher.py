@@ -5,13 +5,12 @@ process per local device, each
 seeing its own GPU only, passes their error output through, and if one
 fails stops the others at once (SIGTERM, then SIGKILL after two seconds)
 and names the worker and the line of its output that says what went wrong,
-or, where ``--max-restarts`` allows, starts them all again (``supervise``).
-Where the run has several nodes, it hears from the others through
-``nodes.py`` (node 0's lobby, the heartbeats).  ``worker.py`` is the other
-side of the process boundary.
+or, where ``--max-restarts`` allows, has them all started again
+(``restarts.py``).  Where the run has several nodes, it hears from the
+others through ``lobby.py`` (node 0's lobby, the heartbeats).
+``worker.py`` is the other side of the process boundary.
 """
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags, before PyTensor
-import base64
 import collections
 import contextlib
 import ctypes
@@ -20,7 +19,6 @@ import json
 import os
 import re
 import resource
-import shlex
 import signal
 import subprocess
 import sys
@@ -30,9 +28,7 @@ import traceback
 import warnings
 
 from multi_gpu import cli, datasets, files, records
-from multi_gpu.cli import UsageError
-from multi_gpu.nodes import LOST_AFTER, free_port, host_and_port
-from multi_gpu.request import check_resume, private_coordinator, run_folder
+from multi_gpu.nodes import LOST_AFTER
 from multi_gpu.worker import (fault_point, forget_the_launchers_state,
                               heartbeat_path, request_stop, stopping)
 
@@ -310,13 +306,13 @@ def launch(args, shapes, start, rundir, link):
         if problem:
             cli.say(f"error: {problem}", file=sys.stderr)
             return 1, "", None, False
-        ended = watch(workers, rundir, link, stall_patience(args.timeout))
+        ended = watch(workers, rundir, link, stall_patience(args.timeout), args.save)
         if ended:
             return ended
         left = stop(workers)
         link.tell("failed", f"interrupted ({signal.Signals(stopping.signum).name})", final=True)
         cli.say(f"interrupted ({signal.Signals(stopping.signum).name})"
-                f"{resume_hint(args, shapes)}{unkillable(left)}", file=sys.stderr)
+                f"{records.resume_hint(args, shapes)}{unkillable(left)}", file=sys.stderr)
         return 128 + stopping.signum, "", None, False
     finally:
         why = made and files.remove_folder(rundir)
@@ -365,11 +361,14 @@ def leave_the_request(args, rundir):
     return None
 
 
-def watch(workers, rundir, link, patience):
+def watch(workers, rundir, link, patience, save):
     """Until the workers all end well, or one fails or stops running, or
-    another node is lost, or node 0 orders the run to start again: the
-    launch's result (``launch``); None once the run is asked to stop."""
+    another node is lost, or node 0 orders the run to start again, or the
+    other nodes bring this node 0 the run they kept: the launch's result
+    (``launch``); None once the run is asked to stop.  Meanwhile node 0's
+    checkpoint (``save``) goes to the others at each save."""
     while not stopping.is_set():
+        link.share_saved(save)
         codes = [w.proc.poll() for w in workers]
         if all(code == 0 for code in codes):
             link.tell("done")
@@ -377,10 +376,11 @@ def watch(workers, rundir, link, patience):
         failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
         stalled = [w for w, code in zip(workers, codes)
                    if code is None and w.stalled(rundir, patience)]
-        verdict, order = link.verdict(), link.ordered()
-        if order:  # node 0 starts the run again: another node failed
+        verdict, order, kept = link.verdict(), link.ordered(), link.kept_by_others()
+        if order or kept:  # node 0 starts the run again: another node failed, or came back
             left = stop(workers)
-            return 1, "", f"{order['why']}{unkillable(left)}", False
+            why = order["why"] if order else f"{kept['who']} kept the run"
+            return 1, "", f"{why}{unkillable(left)}", False
         if failed or stalled or verdict:
             return what_failed(workers, failed, stalled, verdict, link, rundir, patience)
         time.sleep(0.05)
@@ -406,9 +406,11 @@ def what_failed(workers, failed, stalled, verdict, link, rundir, patience):
     if failed and all(w.proc.returncode in (130, 143) for w in failed) and not verdict:
         stopping.signum = failed[0].proc.returncode - 128  # Ctrl-C reached them first
         return None
+    # a collective that broke under us: it raised, or JAX's runtime aborted (SIGABRT)
     if failed and not (verdict or stalled) and link.others and \
-            failed[0].proc.returncode > 0 and not failed[0].said_why():
-        verdict = another_nodes_word(link)  # a collective that broke under us
+            (failed[0].proc.returncode > 0 or failed[0].proc.returncode == -signal.SIGABRT) \
+            and not failed[0].said_why():
+        verdict = another_nodes_word(link)
         if link.ordered():
             return 1, "", link.ordered()["why"], False
     trace, why = "", verdict
@@ -451,106 +453,3 @@ def position(rundir, rank):
     except (OSError, ValueError):
         return ""
     return f" at epoch {epoch}, step {step}" if epoch else ""
-
-
-def supervise(args, shapes, start, rundir, link):
-    """Run the workers (``launch``); where one fails or stops, and
-    ``--max-restarts`` allows, start them all again from the run's last
-    checkpoint, every node, saying so in one line each time: node 0
-    decides, and tells the others where to start (``Lobby.order_restart``);
-    a node lost ends the run.  Where the run fails for good, its last line
-    says what failed, where, and how to resume.  Returns the exit code."""
-    for restart in range(1, args.max_restarts + 2):
-        code, trace, why, lost = launch(args, shapes, start, rundir, link)
-        if why is None:
-            break
-        if args.node_rank and not link.ordered():
-            link.tell("failed", why)  # node 0 decides whether the run starts again
-        if restart > args.max_restarts or lost or code == 2:  # bad input fails again
-            break
-        try:
-            order = link.ordered() or (link.await_order() if args.node_rank else None)
-            if args.node_rank and not order:
-                why = link.verdict() or why
-                break
-            resumed = follow(args, order, shapes) if order else restart_point(args, shapes)
-        except (UsageError, records.CheckpointError) as e:
-            why += f"; no restart: {e}"
-            break
-        cli.say(f"{order['why'] if order else why}: restarting every worker {resumed} (restart "
-                f"{restart} of {args.max_restarts})", file=sys.stderr)
-        old, (rundir, _) = rundir, run_folder(args, shapes)
-        if order:
-            link.restart(order["generation"])
-        else:
-            order_restart(args, link, restart, why, old, rundir)
-    if why is not None:
-        link.tell("failed", why, final=True)
-        cli.say(f"{trace}error: {why}{resume_hint(args, shapes)}", file=sys.stderr)
-    return code
-
-
-def order_restart(args, link, restart, why, old, rundir):
-    """Node 0's restart: JAX's coordinator where the new run folder is, or
-    at a new port (the last one's may linger); the other nodes told."""
-    if args.jax_coordinator == private_coordinator(old):
-        args.jax_coordinator = private_coordinator(rundir)
-    elif args.nodes > 1:
-        host = host_and_port(args.coordinator)[0]
-        args.jax_coordinator = f"{host}:{free_port(host)}"
-    if args.nodes > 1:
-        link.order_restart(restart, why, args.jax_coordinator, args.resume_epoch,
-                           args.checked_resume if args.resume else None)
-
-
-def restart_point(args, shapes):
-    """Make the request resume where a restart starts: from the run's last
-    checkpoint (--save) once there is one, else where the run began (its
-    --resume, or the first epoch).  Returns where, in words."""
-    if args.save and os.path.exists(args.save):
-        args.resume = args.save
-    if args.resume:
-        check_resume(args, shapes)
-    return resumed_at(args)
-
-
-def follow(args, order, shapes):
-    """Node R > 0: make the request resume where node 0's ``order`` says,
-    from the bytes of node 0's checkpoint, checked here as a file given to
-    --resume is (a checkpoint of this model, at the epoch the order names).
-    Returns where, in words."""
-    args.jax_coordinator, args.resume_epoch = order["jax_coordinator"], order["resume_epoch"]
-    args.checked_resume = order["checkpoint"] and base64.b64decode(order["checkpoint"])
-    args.resume = "node 0's checkpoint" if order["checkpoint"] else None
-    if args.resume:
-        _, _, state = records.load_checkpoint(args.resume, shapes, records.TRAINING_STATE,
-                                              raw=args.checked_resume)
-        if state["epoch"] != args.resume_epoch:
-            raise records.CheckpointError(f"node 0's checkpoint is at epoch {state['epoch']}, "
-                                          f"its order says {args.resume_epoch}")
-    return resumed_at(args)
-
-
-def resumed_at(args):
-    if args.trace and args.trace_from <= args.resume_epoch:
-        args.trace = None  # its window is behind the restart: trained already
-    return f"from {args.resume} at epoch {args.resume_epoch}" if args.resume else \
-        "from the first epoch"
-
-
-def resume_hint(args, shapes):
-    """What the last line of a failed run adds: the run's last checkpoint
-    and the command that resumes from it; node R > 0: node 0's."""
-    if args.node_rank:
-        return "; resume from node 0's last checkpoint (--resume)" if args.nodes > 1 else ""
-    if not (args.save and os.path.exists(args.save)):
-        return ""
-    try:
-        epoch = records.load_checkpoint(args.save, shapes)[2]["epoch"]
-    except records.CheckpointError:
-        return ""
-    words, near = shlex.split(args.command), os.path.relpath(args.save)
-    shown = args.save if near.startswith("..") else near  # as the user would type it here
-    if "--resume" in words:
-        del words[words.index("--resume"):words.index("--resume") + 2]
-    return f"; resume (epoch {epoch}): {shlex.join(words + ['--resume', shown])}"

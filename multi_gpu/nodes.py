@@ -1,10 +1,8 @@
-"""The nodes of a run on several machines: its secret, node 0's lobby, and
+"""The nodes of a run on several machines: its addresses, its secret, and
 the heartbeats that tell each node within seconds that another is lost.
 
-Node 0 keeps a ``Lobby`` at ``--coordinator``; every other node is a
-``Member`` of it, on one zmq connection under ZeroMQ's CURVE security, keyed
-by the run's secret.  A node first proves that it holds the secret, then
-shows its options, and is let in; from then on, for the whole run, the
+Node 0 keeps a lobby at ``--coordinator``, every other node is a member of
+it (``lobby.py``): from the moment a node is let in, for the whole run, the
 launchers of node 0 and of each member send each other a heartbeat every
 ``BEAT_S`` seconds that says how their node stands (running, failed and
 why, done).  A node not heard from for ``LOST_AFTER`` seconds is lost: a
@@ -12,7 +10,7 @@ cut cable, a machine gone, a node stopped.  The launchers speak for their
 nodes; the workers' own collectives (gloo, NCCL) would wait minutes for a
 peer whose cable is cut, and say nothing of who it was.
 """
-import base64
+import collections
 import hashlib
 import json
 import os
@@ -21,6 +19,8 @@ import socket
 import stat
 import threading
 import time
+
+import zmq
 
 from multi_gpu.cli import UsageError
 
@@ -120,22 +120,15 @@ def curve_keys(secret):
     return zmq.curve_public(private), private
 
 
-class OnlyTheRun:
-    """The lobby's ZAP policy: a client is let in only with the run's key."""
-
-    def __init__(self, public):
-        self.public = public
-
-    def callback(self, domain, key):
-        return key == self.public
-
-
-LOBBY_MESSAGE_LIMIT = 1 << 16  # bytes: a node's options fit many times over
-HANDSHAKE_MS = 5000            # a connection that has not proved itself by then is dropped
+def beat(state="running", why=None, final=False, generation=0):
+    """A heartbeat: how the node that sends it stands."""
+    return json.dumps({"beat": dict(state=state, why=why, final=final,
+                                    generation=generation)}).encode()
 
 
 class Standing:
     """How a node stands, as its heartbeats tell the others: ``running``,
+    ``waiting`` (node 0, for a lost node to come back: ``why``),
     ``failed`` (``why``: what went wrong, in one line), or ``done``; and
     when it was last heard from.  Its heartbeats count from the run's
     ``generation`` on (each restart is one more: ``--max-restarts``)."""
@@ -146,12 +139,13 @@ class Standing:
 
     def restart(self, generation):
         self.state, self.why, self.final, self.heard = "running", None, False, time.monotonic()
-        self.generation = generation
+        self.generation, self.waiting = generation, None
 
     def heard_from(self, beat):
         if beat.get("generation", 0) < self.generation:
             return  # an earlier start's last words
         self.heard = time.monotonic()
+        self.waiting = str(beat.get("why"))[:400] if beat.get("state") == "waiting" else None
         if self.state == "running" and beat.get("state") in ("failed", "done"):
             self.state, self.why = beat["state"], str(beat.get("why"))[:400]
             self.final = beat.get("final") is True
@@ -175,7 +169,7 @@ class Standing:
 class Alone:
     """A run of one node: nobody else to hear from."""
 
-    others = False
+    others, generation = False, 0
 
     def tell(self, state, why=None, final=False):
         pass
@@ -189,6 +183,15 @@ class Alone:
     def ordered(self):
         return None
 
+    def restart(self, generation):
+        self.generation = generation
+
+    def kept_by_others(self):
+        return None
+
+    def share_saved(self, path):
+        pass
+
 
 class Heartbeats:
     """What node 0 and its members share: this node's own standing, sent
@@ -196,22 +199,21 @@ class Heartbeats:
     owns the zmq socket; the others' standings, each a ``Standing``; and
     where the run starts again (``--max-restarts``), node 0's order to."""
 
-    others = True
+    others, generation, order = True, 0, None
 
     def start_beating(self, context, socket):
         self.context, self.socket, self.lock = context, socket, threading.Lock()
-        self.generation, self.order, self.outbox = 0, None, None
-        self.mine, self.sent, self.open = {"state": "running"}, False, True
+        self.outbox, self.open = collections.deque(), True
+        self.tell("running")
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def tell(self, state, why=None, final=False):
-        """This node now stands so (``failed``, with why, and ``final`` where
-        no restart brings it back; ``done``)."""
+        """This node now stands so (``waiting``, for a node to come back, with
+        why; ``failed``, with why, and ``final`` where no restart brings it
+        back; ``done``)."""
         with self.lock:
-            self.mine = {"state": state, "why": why, "final": final,
-                         "generation": self.generation}
-            self.sent = False
+            self.mine, self.sent = beat(state, why, final, self.generation), False
 
     def restart(self, generation):
         """The run starts again: every node stands anew, heard from now."""
@@ -234,27 +236,39 @@ class Heartbeats:
         order = self.order
         return order if order and order["generation"] > self.generation else None
 
+    def kept_by_others(self):
+        """(node 0's: ``Lobby``)"""
+        return None
+
+    def share_saved(self, path):
+        """(node 0's: ``Lobby``)"""
+
     def _serve(self):
         next_beat = 0.0
         while self.open:
-            if self.socket.poll(50):
-                frames = self.socket.recv_multipart(copy=False)
+            # every message that is there, then the beats: a thousand members beat
+            # twice a second each, and one message a turn would fall behind them
+            for _ in range(4096 if self.socket.poll(50) else 0):
+                try:
+                    frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
                 try:
                     self.received(frames)
                 except Exception:  # whatever a node sends is answered, or dropped
                     self.answer(frames, {"why": "not a dual_mlp.py node"})
             now = time.monotonic()
             with self.lock:
-                outbox, self.outbox = self.outbox, None
-            if outbox:
-                self.beat(outbox)
+                outbox, self.outbox = self.outbox, collections.deque()
+            for message in outbox:
+                self.beat(message)
             if now >= next_beat or not self.sent:
                 with self.lock:
-                    beat, self.sent = json.dumps({"beat": self.mine}).encode(), True
-                self.beat(beat)
+                    mine, self.sent = self.mine, True
+                self.beat(mine)
                 next_beat = now + BEAT_S
 
-    def close(self):
+    def stop_beating(self):
         """After this node's last word has gone out (at most a second)."""
         for _ in range(20):
             if self.sent:
@@ -263,210 +277,3 @@ class Heartbeats:
         self.open = False
         self.thread.join()
         self.socket.close(linger=1000)
-
-
-class Lobby(Heartbeats):
-    """Node 0's door to a run of several machines, at ``--coordinator``.
-
-    A node first proves it holds the run's secret: the lobby is a zmq
-    socket under ZeroMQ's CURVE security, its key pair and the only client
-    key it lets in derived from the secret (``curve_keys``), so a stranger's
-    handshake fails before a byte of a message is read, and the stranger
-    learns nothing.  Then the node shows its run options and its node rank,
-    and is let in only where ``judge(options)`` finds nothing to say and
-    the rank is free; it is then told where JAX's coordinator listens (a
-    port of node 0's own choosing, or a socket in node 0's private run
-    folder where every node is on this machine).  Messages are bounded, a
-    connection that does not finish its handshake within seconds is
-    dropped, and the door stays open for the run's nodes.  A node let in
-    is a member from then on: the lobby hears its heartbeats and sends it
-    node 0's (``Heartbeats``)."""
-
-    def __init__(self, address, judge, nodes, secret, jax_coordinator):
-        import zmq
-        import zmq.auth.thread
-        self.address, self.judge_options, self.nodes = address, judge, nodes
-        self.jax_coordinator, self.members = jax_coordinator, {}  # identity -> (rank, Standing)
-        check_port(address)
-        public, private = curve_keys(secret)
-        context = zmq.Context()
-        self.auth = zmq.auth.thread.ThreadAuthenticator(context)
-        self.auth.start()
-        self.auth.configure_curve_callback("*", OnlyTheRun(public))
-        lobby = context.socket(zmq.ROUTER)
-        lobby.curve_secretkey, lobby.curve_publickey = private, public
-        lobby.curve_server = True
-        for option, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, LOBBY_MESSAGE_LIMIT),
-                              (zmq.HANDSHAKE_IVL, HANDSHAKE_MS)):
-            lobby.setsockopt(option, value)
-        lobby.bind(f"tcp://{address}")
-        self.start_beating(context, lobby)
-
-    def standings(self):
-        return [standing for _, standing in list(self.members.values())]
-
-    def answer(self, frames, reply):
-        self.socket.send_multipart([frames[0].bytes, b"", json.dumps(reply).encode()])
-
-    def received(self, frames):
-        identity, message = frames[0].bytes, json.loads(frames[-1].bytes)
-        if identity in self.members:  # a member's heartbeat
-            self.members[identity][1].heard_from(message["beat"])
-            return
-        why = self.judge(message)
-        if not why:
-            rank = message["node_rank"]
-            address = frames[-1].get("Peer-Address") or "address unknown"
-            self.members[identity] = (rank, Standing(f"node {rank} ({address})"))
-        self.answer(frames, {"why": why, "jax_coordinator": None if why else
-                             self.jax_coordinator})
-
-    def judge(self, visitor):
-        """Why a visitor may not join (None: it may)."""
-        rank, options = visitor["node_rank"], dict(visitor["options"])
-        if type(rank) is not int or not 0 < rank < self.nodes:
-            return f"node rank {str(rank)[:20]} is not one of 1..{self.nodes - 1}"
-        why = self.judge_options(options)
-        if why:
-            return f"node 0 runs other options: {why}"
-        if rank in {r for r, _ in self.members.values()}:
-            return (f"node {rank} of the run at {self.address} has joined already: is another "
-                    "run using this --coordinator?")
-        return None
-
-    def beat(self, message):
-        for identity in list(self.members):
-            self.socket.send_multipart([identity, b"", message])
-
-    def order_restart(self, generation, why, jax_coordinator, resume_epoch, checkpoint):
-        """Start the run again, every node: where JAX's coordinator listens
-        now, and the checkpoint's bytes (None: from the first epoch), which
-        the other machines may not hold."""
-        self.restart(generation)
-        if not why.startswith("node "):
-            why = f"node 0 ({host_and_port(self.address)[0]}): {why}"
-        order = dict(generation=generation, why=why, jax_coordinator=jax_coordinator,
-                     resume_epoch=resume_epoch, checkpoint=checkpoint and
-                     base64.b64encode(checkpoint).decode())
-        with self.lock:
-            self.outbox = json.dumps({"restart": order}).encode()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        self.auth.stop()
-        self.context.term()
-
-
-class NoAnswer(Exception):
-    """Node 0 never answered: a run that did not happen (the launcher exits 1)."""
-
-
-class Member(Heartbeats):
-    """Node ``node_rank`` of a run, from the moment node 0's lobby at
-    ``address`` lets it in (``Lobby``): ``jax_coordinator`` is where JAX's
-    coordinator listens; node 0's heartbeats are heard, this node's sent."""
-
-    def __init__(self, address, node_rank, options, timeout, secret):
-        import zmq
-        import zmq.utils.monitor
-        public, private = curve_keys(secret)
-        context = zmq.Context()
-        member = context.socket(zmq.DEALER)
-        member.curve_serverkey, member.curve_publickey, member.curve_secretkey = public, public, \
-            private
-        member.setsockopt(zmq.LINGER, 0)
-        monitor = member.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                                            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        try:
-            try:
-                member.connect(f"tcp://{address}")
-                member.send_multipart([b"", json.dumps({"node_rank": node_rank,
-                                                        "options": options}).encode()])
-                answer = self.answer_of(member, monitor, address, timeout)
-            finally:
-                member.disable_monitor()
-                monitor.close()
-            if answer["why"]:
-                raise UsageError(f"refused by node 0 at {address}: {answer['why']}")
-        except BaseException:
-            member.close()
-            context.term()
-            raise
-        self.jax_coordinator = answer["jax_coordinator"]
-        self.node0 = Standing(f"node 0 ({host_and_port(address)[0]})")
-        self.start_beating(context, member)
-
-    @staticmethod
-    def answer_of(member, monitor, address, timeout):
-        from multi_gpu.worker import stopping
-        deadline = time.monotonic() + timeout
-        while not member.poll(100):
-            if monitor.poll(0):
-                raise UsageError(f"refused by node 0 at {address}: the handshake failed: this "
-                                 "node does not hold the run's secret (give it the one node 0 "
-                                 f"printed, in {SECRET_VARIABLE} or --secret-file)")
-            if stopping.is_set():
-                raise UsageError("interrupted while waiting for node 0")
-            if time.monotonic() > deadline:
-                raise NoAnswer(f"node 0 did not answer at {address} within {timeout:g} s (is "
-                               "it started, and can this machine reach it? see --timeout)")
-        return json.loads(member.recv_multipart()[-1])
-
-    def standings(self):
-        return (self.node0,)
-
-    def received(self, frames):
-        message = json.loads(frames[-1].bytes)
-        if "restart" in message:
-            self.order = message["restart"]
-        else:
-            self.node0.heard_from(message["beat"])
-
-    def await_order(self):
-        """Node 0's order to start again, once this node has failed: None
-        where node 0 fails or is lost first, or says nothing in time."""
-        deadline = time.monotonic() + LOST_AFTER + 10
-        while not (self.ordered() or self.verdict()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return self.ordered()
-
-    def answer(self, frames, reply):
-        pass  # node 0 says only heartbeats
-
-    def beat(self, message):
-        self.socket.send_multipart([b"", message])
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        self.context.term()
-
-
-def meet(args, judge, stack):
-    """How this node hears from the other nodes of its run: ``Alone`` where
-    there are none; on node 0, its ``Lobby`` at --coordinator, which lets in
-    the nodes whose options ``judge`` finds nothing to say of; on any other,
-    its membership of that lobby, which tells it where JAX's coordinator
-    listens.  The lobby and the membership close with ``stack``.  Returns
-    (the link, a notice: the secret node 0 made, where it made one; on any
-    other node, that it joined, and which workers it runs)."""
-    if args.nodes == 1:
-        return Alone(), None
-    secret, notice = run_secret(args)  # the others prove they belong here: they hold it
-    if args.node_rank == 0:
-        return stack.enter_context(Lobby(args.coordinator, judge, args.nodes, secret,
-                                         args.jax_coordinator)), notice
-    member = stack.enter_context(Member(args.coordinator, args.node_rank, args.run_options,
-                                        args.timeout, secret))
-    args.jax_coordinator = member.jax_coordinator
-    n = len(args.devices)
-    ranks = ", ".join(map(str, range(args.node_rank * n, (args.node_rank + 1) * n)))
-    return member, (f"node {args.node_rank} of {args.nodes}: joined node 0 at {args.coordinator}; "
-                    f"worker{'s' * (n > 1)} {ranks} of {args.nodes * n} here, on "
-                    f"{', '.join(args.devices)}")

@@ -8,7 +8,8 @@ Shared by ``mlp.py`` (one process) and ``dual_mlp.py`` (its worker 0).
   ``dual_mlp.py --save`` writes ``TRAINING_STATE`` too, after every epoch,
   and the configuration it trains with (``config``: the options that shape
   the training, and the data set's fingerprint), so that ``--resume`` goes
-  on where it stopped, and only with the same configuration.  A run holds
+  on where it stopped, and only with the same configuration; and which run
+  wrote it (``run``), so that a restart takes only its own run's.  A run holds
   the checkpoint it writes (``hold``): a second run asking for it is refused.
 * The learning curve: one ``epoch_record`` per epoch.
 * The summary: one JSON document per run (``--json``), written atomically.
@@ -25,6 +26,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import stat
 import subprocess
 import sys
@@ -46,7 +48,7 @@ class CheckpointError(Exception):
 TRAINING_STATE = ("epoch", "best_validation_error", "test_error", "validation_errors")
 # what each entry must be: its number of dimensions and kind of number
 STATE_TYPES = {"epoch": (0, "iu"), "best_validation_error": (0, "f"), "test_error": (0, "f"),
-               "validation_errors": (1, "f"), "config": (0, "U")}
+               "validation_errors": (1, "f"), "config": (0, "U"), "run": (0, "U")}
 
 
 def save_checkpoint(path, params, best_params, **state):
@@ -174,6 +176,47 @@ def load_checkpoint(path, shapes, state=("epoch",), raw=None):
     return arrays[:len(shapes)], arrays[len(shapes):], values
 
 
+def written_by(path, shapes, raw=None):
+    """(the run that wrote the checkpoint at ``path``, its epoch); (None,
+    None) where there is none there, or none of this model: a run that
+    names no run (an older checkpoint) is nobody's."""
+    try:
+        _, _, state = load_checkpoint(path, shapes, ("epoch",), raw)
+    except CheckpointError:
+        return None, None
+    return state.get("run"), state["epoch"]
+
+
+def replaced_checkpoint(save, resume, shapes):
+    """A notice where ``save`` holds a file a new run will replace: another
+    run's checkpoint (that it resumes from aside), or something else."""
+    if not (save and os.path.lexists(save)) or (resume and cli.same_file(save, resume)):
+        return None
+    _, epoch = written_by(save, shapes)
+    held = "a file that is not a checkpoint of this model" if epoch is None else \
+        f"another run's checkpoint (epoch {epoch})"
+    return (f"notice: --save {save} holds {held}: this run replaces it at the end of its first "
+            "epoch, and a restart takes only this run's own")
+
+
+def resume_hint(args, shapes):
+    """What the last line of a failed run adds: the run's last checkpoint
+    and the command that resumes from it; node R > 0: node 0's."""
+    if args.node_rank:
+        return "; resume from node 0's last checkpoint (--resume)" if args.nodes > 1 else ""
+    if not (args.save and os.path.exists(args.save)):
+        return ""
+    try:
+        epoch = load_checkpoint(args.save, shapes)[2]["epoch"]
+    except CheckpointError:
+        return ""
+    words, near = shlex.split(args.command), os.path.relpath(args.save)
+    shown = args.save if near.startswith("..") else near  # as the user would type it here
+    if "--resume" in words:
+        del words[words.index("--resume"):words.index("--resume") + 2]
+    return f"; resume (epoch {epoch}): {shlex.join(words + ['--resume', shown])}"
+
+
 def epoch_record(epoch, train_s, validation_error, test_error):
     """One point of a run's learning curve (``--json``'s ``curve``): the
     training seconds so far (no compile, no validation), the epoch's
@@ -203,6 +246,7 @@ class Progress:
         current, best, state = load_checkpoint(checkpoint, Layout.of(model.params).shapes,
                                                TRAINING_STATE)
         state.pop("config", None)  # the launcher compared it with this run's
+        state.pop("run", None)
         model.set_params(current)
         return cls(best, **state)
 
@@ -222,11 +266,13 @@ class Progress:
     def state(self):
         return {k: getattr(self, k) for k in TRAINING_STATE}
 
-    def save(self, path, params, config):
-        """The epoch's checkpoint; a write that fails (a full disk) leaves the
-        previous checkpoint as it was, and training goes on."""
+    def save(self, path, params, config, run):
+        """The epoch's checkpoint, which names its ``run``; a write that fails
+        (a full disk) leaves the previous checkpoint as it was, and training
+        goes on."""
         try:
-            save_checkpoint(path, params, self.best_params, **self.state(), config=config)
+            save_checkpoint(path, params, self.best_params, **self.state(), config=config,
+                            run=run)
             self.saved += 1
         except OSError as e:
             print(f"worker 0: warning: could not write {path} ({e.strerror}): the previous one "

@@ -24,7 +24,7 @@ import time
 
 import pytensor
 
-from multi_gpu import cli, datasets, memory, nodes, records
+from multi_gpu import cli, datasets, lobby, memory, records
 from multi_gpu.cli import UsageError
 from multi_gpu.nodes import check_port, free_port, host_and_port, on_loopback
 from multi_gpu.trainer import steps_per_epoch
@@ -235,7 +235,7 @@ RUN_OPTIONS = TRAINED_WITH + ("epochs", "seed", "exchange", "sync", "avg", "step
 # A node's own, which the nodes may give differently: its outputs, its waits, its place
 # (its devices count as workers per node and platform, its --resume as the resumed epoch).
 NODE_OWN = ("devices", "save", "resume", "json", "trace", "trace_from", "trace_steps",
-            "timeout", "node_rank", "secret_file", "coordinator")
+            "timeout", "rejoin_timeout", "node_rank", "secret_file", "coordinator")
 
 
 def option_name(key):
@@ -254,7 +254,7 @@ def differences(theirs, mine, keys):
                      for k in differ)
 
 
-def check_resume(args, shapes, epochs=None):
+def check_resume(args, shapes, epochs=None, raw=None):
     """The checkpoint fits the model's parameter ``shapes``, is not finished,
     and was trained as this run asks (the learning rate may change, with a
     notice).  Without --epochs, the run goes on to the epochs the
@@ -262,7 +262,8 @@ def check_resume(args, shapes, epochs=None):
     say), and says so.  Returns the notices."""
     # read once (a FIFO refused before it is opened), checked, and handed to the
     # workers as that one version (``launch``), whatever writes the file meanwhile
-    args.checked_resume = records.read_checkpoint(args.resume, shapes)
+    # (``raw``: its bytes, where they came from another node)
+    args.checked_resume = raw or records.read_checkpoint(args.resume, shapes)
     _, _, state = records.load_checkpoint(args.resume, shapes, records.TRAINING_STATE,
                                           raw=args.checked_resume)
     saved, notices = state.get("config"), []
@@ -379,13 +380,14 @@ def check_steps_per_call(args, n_steps, default):
     return notices
 
 
-def check_limits(n_local):
+def check_limits(n_local, nodes):
     """Raise this process's limit of open files to what a run needs (its
     workers inherit it), or refuse the run in one line where the hard limit
     is too low; and refuse it where the user's limit of processes (``ulimit
     -u``, threads counted) leaves too little room: either would end a worker
     deep in zmq or XLA.  (Root is held to no process limit.)"""
-    files_needed = 64 + 32 * n_local  # sockets, pipes, mapped buffers, XLA's own
+    # sockets, pipes, mapped buffers, XLA's own; node 0's lobby, a connection each other node
+    files_needed = 64 + 32 * n_local + nodes - 1
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < files_needed:
         if hard != resource.RLIM_INFINITY and hard < files_needed:
@@ -426,7 +428,7 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call, 
     check_nodes(args)
     check_xla_flags()
     args.devices, notice = choose_devices(args.devices, args.nodes)
-    check_limits(len(args.devices))
+    check_limits(len(args.devices), args.nodes)
     notices.append(notice)
     world, gpus = args.nodes * len(args.devices), args.devices[0] != "cpu"
     notices += check_exchange(args, world, gpus, choices)
@@ -460,6 +462,9 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call, 
     elif args.epochs is None:
         args.epochs = epochs
     args.trained_with["epochs"] = args.epochs  # recorded, for a --resume without --epochs
+    # the run's name, in each checkpoint it writes: a restart takes only its own run's
+    args.run_id = secrets.token_hex(8)
+    notices.append(records.replaced_checkpoint(args.save, args.resume, shapes))
     notices += check_trace(args, steps_per_epoch(n_train // args.batch_size, world))
     args.local_workers, args.platform = len(args.devices), "gpu" if gpus else "cpu"
     args.run_options = {k: args.trained_with[k] if k in TRAINED_WITH else getattr(args, k)
@@ -577,12 +582,12 @@ def prepare(args, shapes, run, *defaults):
         rundir, folder_notice = run_folder(args, shapes)
         if args.exchange == "xla" and not args.jax_coordinator and not args.node_rank:
             args.jax_coordinator = private_coordinator(rundir)
-        link, notice = nodes.meet(args, functools.partial(differences, args.run_options,
-                                                          keys=RUN_OPTIONS), run)
+        link, notice = lobby.meet(args, functools.partial(differences, args.run_options,
+                                                          keys=RUN_OPTIONS), shapes, run)
         notices.append(notice)
-    except (UsageError, datasets.DatasetError, records.CheckpointError, nodes.NoAnswer) as e:
+    except (UsageError, datasets.DatasetError, records.CheckpointError, lobby.NoAnswer) as e:
         cli.say(f"dual_mlp.py: error: {e}", file=sys.stderr)
-        raise SystemExit(1 if isinstance(e, nodes.NoAnswer) else 2) from None
+        raise SystemExit(1 if isinstance(e, lobby.NoAnswer) else 2) from None
     for said in notices + [folder_notice] if args.node_rank == 0 else [notice]:
         if said:
             cli.say(said, file=sys.stderr if said.startswith("warning:") else sys.stdout)

@@ -1,6 +1,7 @@
 """A run never hangs and never loses its work: real processes, real signals."""
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -274,17 +275,24 @@ def test_a_barrier_timeout_names_the_worker_that_stopped_not_one_waiting_for_it(
         peer.close()
 
 
-def test_max_restarts_brings_a_killed_worker_back_to_the_uninterrupted_weights(tmp_path,
-                                                                                no_leftovers):
-    """--max-restarts 1, as torchrun's: a worker SIGKILLed at a random step
-    of its first epochs, every worker starts again from the last checkpoint
-    (or the start, before the first), the launcher saying so in one line,
-    and the run ends exit 0 with the weights of a run never interrupted,
-    bit for bit."""
+def test_max_restarts_brings_a_killed_worker_back_to_the_uninterrupted_weights(
+        tmp_path, no_leftovers, one_epoch_checkpoint):
+    """--max-restarts 1, as torchrun's, where --save holds another run's
+    checkpoint (the run says at its start that it replaces it): a worker
+    SIGKILLed at a random step of the run's first epochs, every worker
+    starts again from this run's own last checkpoint, or from the start
+    before its first, never from the other run's; the launcher says so in
+    one line, and the run ends exit 0 with the weights of a run never
+    interrupted, bit for bit."""
     import random
     ckpt = tmp_path / "restarted.npz"
+    params, best, state = records.load_checkpoint(
+        str(one_epoch_checkpoint(tmp_path / "other.npz")), SHAPES, records.TRAINING_STATE)
+    records.save_checkpoint(str(ckpt), [p / 2 for p in params], best, **state)  # another run's
     proc = start_dual("cpu", "cpu", "--epochs", 4, "--save", ckpt, "--max-restarts", 1)
-    wait_until_training(proc)
+    said = "".join(read_until_training(proc))
+    assert f"notice: --save {ckpt} holds another run's checkpoint (epoch 1): this run replaces " \
+        "it" in said, said
     time.sleep(random.uniform(0, 0.15))  # four epochs take longer, even here
     victim = random.choice(workers_of(proc))
     victim.send_signal(signal.SIGKILL)
@@ -294,4 +302,37 @@ def test_max_restarts_brings_a_killed_worker_back_to_the_uninterrupted_weights(t
     assert len(restarts) == 1 and "failed: killed by SIGKILL" in restarts[0], err
     assert restarts[0].endswith("(restart 1 of 1)")
     print(restarts[0])
+    assert_identical_checkpoints(ckpt, four_epochs(), records.TRAINING_STATE)
+
+
+def read_until_training(proc):
+    """What the launcher printed up to worker 0's '... training' line, that line too."""
+    said = []
+    for line in proc.stdout:
+        said.append(line)
+        if line.startswith("... training"):
+            return said
+    raise AssertionError(f"run ended before training: {proc.stderr.read()}")
+
+
+def test_a_restart_past_the_trace_window_still_writes_the_trace(tmp_path, no_leftovers):
+    """--trace with its window in the first epoch, a worker killed in the
+    second: the restart, from the run's last checkpoint, says that the
+    window moves to the epoch it trains first, and the trace and its picture
+    are written, of that window; the weights are the uninterrupted run's."""
+    ckpt, traced = tmp_path / "t.npz", tmp_path / "t.json"
+    proc = start_dual("cpu", "cpu", "--epochs", 4, "--save", ckpt, "--max-restarts", 1,
+                      "--trace", traced, "--trace-from", 1, "--trace-steps", 5)
+    wait_for(lambda: next((line for line in iter(proc.stdout.readline, "")
+                           if line.startswith("epoch 2/")), None), 120, "epoch 2")
+    workers_of(proc)[1].send_signal(signal.SIGKILL)
+    code, _, err = finish(proc, timeout=120)
+    assert code == 0, err
+    restart = next(line for line in err.splitlines() if "restarting every worker" in line)
+    resumed = re.search(rf"from {re.escape(str(ckpt))} at epoch (\d), --trace now from epoch "
+                        r"(\d) \(its window was behind the restart\)", restart)
+    assert resumed and int(resumed[2]) == int(resumed[1]) + 1, restart
+    document = json.loads(traced.read_text())
+    assert document["otherData"]["window"]["epoch"] == int(resumed[2])
+    assert traced.with_suffix(".png").exists()
     assert_identical_checkpoints(ckpt, four_epochs(), records.TRAINING_STATE)

@@ -5,10 +5,14 @@ cannot stand for several any other way: on 127.0.0.1 gloo and JAX's
 coordinator find each other whatever the flags say.
 
 The runs are made once, all at the same time (``host_runs``), and each
-test looks at what they did: an uninterrupted run, and one run for each
-way a node is lost (its cable cut, the machine killed or stopped, one of
-its workers killed or stopped), each struck in its second epoch."""
+test looks at what they did: an uninterrupted run, one run for each way a
+node is lost (its cable cut, the machine killed or stopped, one of its
+workers killed or stopped), each struck in its second epoch, node 0 lost
+(its machine killed, its cable cut) after its second, and, with
+--max-restarts, node 1's machine and node 0's killed and their commands
+started again 10 s later."""
 import concurrent.futures
+import functools
 import random
 import shlex
 import shutil
@@ -17,8 +21,8 @@ import time
 
 import pytest
 
-from bench.hosts import FAULTS, hosts_on_a_bridge, two_nodes, why_no_test_hosts
-from bench.lost_node import stopped_after, strike
+from bench.hosts import FAULTS, NODE0_FAULTS, hosts_on_a_bridge, two_nodes, why_no_test_hosts
+from bench.lost_node import come_back, node0_lost, stopped_after, strike
 from conftest import (assert_identical_checkpoints, finish, made_once, run_directories,
                       start_dual, wait_for)
 
@@ -78,10 +82,10 @@ def run_on_hosts(folder):
     secret_file = folder / "secret"
     secret_file.write_text("a secret of the tests' own runs, in a file")
     secret_file.chmod(0o600)
-    seen, before = {}, run_directories()
-    with hosts_on_a_bridge(2 * (2 + len(FAULTS))) as hosts:
-        pairs = {name: hosts[2 * i:2 * i + 2]
-                 for i, name in enumerate(["whole", "restarted", *FAULTS])}
+    seen, before, gone = {}, run_directories(), []  # gone: launchers killed with their host
+    names = ["whole", "restarted", *FAULTS, *NODE0_FAULTS, "node 0 back", "node 1 back"]
+    with hosts_on_a_bridge(2 * len(names)) as hosts:
+        pairs = {name: hosts[2 * i:2 * i + 2] for i, name in enumerate(names)}
         # the uninterrupted run, as README.md says: node 0 makes the secret and prints it,
         # node 1 is given it
         (env0, args0), (env1, args1) = readme_commands(pairs["whole"])
@@ -100,22 +104,48 @@ def run_on_hosts(folder):
             same = ("--epochs", 1000, "--secret-file", "secret")
             struck[name] = [node(folder, h[0], h[0], 0, *same, "--save", checkpoint(name)),
                             node(folder, h[1], h[0], 1, *same)]
-        h = pairs["restarted"]
-        restarted = [node(folder, h[i], h[0], i, "--epochs", EPOCHS, "--secret-file", "secret",
-                          "--max-restarts", 1, *(("--save", "restarted.npz") if i == 0 else ()))
-                     for i in (0, 1)]
+        for name in NODE0_FAULTS:
+            h = pairs[name]
+            struck[name] = [node(folder, h[i], h[0], i, "--epochs", 1000, "--secret-file",
+                                 "secret") for i in (0, 1)]
+
+        def restartable(name, i):
+            h = pairs[name]
+            return node(folder, h[i], h[0], i, "--epochs", EPOCHS, "--secret-file", "secret",
+                        "--max-restarts", 1, *(("--save", checkpoint(name)) if i == 0 else ()))
+        restarted = [restartable("restarted", i) for i in (0, 1)]
+        back = {name: [restartable(name, i) for i in (0, 1)] for name in ("node 0 back",
+                                                                         "node 1 back")}
         # each struck as soon as it has trained its first epoch: the others train meanwhile
-        with concurrent.futures.ThreadPoolExecutor(len(struck) + 1) as pool:
+        with concurrent.futures.ThreadPoolExecutor(len(struck) + 3) as pool:
             killed = pool.submit(strike, "killed worker", *restarted, pairs["restarted"],
                                  random.uniform(0, 0.9))  # into its second epoch
-            took = dict(zip(struck, pool.map(lambda name: time_to_stop(
+            returns = {name: pool.submit(
+                come_back, int(name[5]), nodes, pairs[name],
+                functools.partial(restartable, name, int(name[5])),
+                folder / checkpoint(name) if name == "node 0 back" else None)
+                for name, nodes in back.items()}
+            took = dict(zip(struck, pool.map(lambda name: (
+                node0_lost if name in NODE0_FAULTS else time_to_stop)(
                 name, *struck[name], pairs[name]), struck)))
             killed.result()
+            for name, returned in returns.items():
+                victim = int(name[5])
+                gone.append(back[name][victim].pid)
+                back[name][victim], seen[f"{name} start"], said = returned.result()
+                seen[f"{name} said"] = said
         for name, (node0, node1) in struck.items():
+            if name in NODE0_FAULTS:
+                (took[name], epoch), (code, _, err) = took[name], finish(node1, timeout=1)
+                seen[name] = dict(code=code, took=took[name], err=err, out=node1.out, epoch=epoch)
+                gone.append(node0.pid)
+                continue
             code, _, err = finish(node0, timeout=1)
             seen[name] = dict(code=code, took=took[name], err=err, out=node0.out)
             pairs[name][1].signal(signal.SIGCONT)
             seen[name]["node1"] = finish(node1, timeout=60)[::2]
+        for name, nodes in back.items():
+            seen[name] = [finish(p, timeout=120)[::2] for p in nodes]
         seen["whole"] = [finish(p, timeout=120)[::2] for p in (whole0, whole1)]
         seen["node1_said"] = whole1.out
         seen["restarted"] = [finish(p, timeout=120)[::2] for p in restarted]
@@ -129,12 +159,12 @@ def run_on_hosts(folder):
                    node(folder, h[1], h[0], 1, "--epochs", EPOCHS, "--secret-file", "secret",
                         "--resume", checkpoint("cut cable"))]
         seen["resumed"] = [finish(p, timeout=120)[::2] for p in resumed]
-        gone = str(struck["killed node"][1].pid)  # node 1's launcher, killed with its host
+        gone.append(struck["killed node"][1].pid)
     time.sleep(0.2)
-    left = run_directories() - before
-    for folder in (f for f in left if f.name.split("-")[1] == gone):
+    left, gone = run_directories() - before, set(map(str, gone))
+    for folder in (f for f in left if f.name.split("-")[1] in gone):
         shutil.rmtree(folder)  # nobody was left there to remove it
-    seen["left"] = sorted(str(f) for f in left if f.name.split("-")[1] != gone)
+    seen["left"] = sorted(str(f) for f in left if f.name.split("-")[1] not in gone)
     seen["hosts"] = {name: [h.address for h in pair] for name, pair in pairs.items()}
     return seen
 
@@ -229,3 +259,51 @@ def test_a_run_of_two_hosts_restarts_itself_and_ends_as_the_uninterrupted_one(ho
                                       "by SIGKILL") and restarts[0].endswith("(restart 1 of 1)")
     folder = host_runs["folder"]
     assert_identical_checkpoints(folder / "restarted.npz", folder / "whole.npz")
+
+
+@pytest.mark.parametrize("fault", NODE0_FAULTS)
+def test_node_1_names_a_lost_node_0_within_15_s_and_reports_no_step_after(host_runs, fault):
+    """Node 0's machine killed, or its cable cut, after its second epoch:
+    node 1 ends within 15 s, exit 1, in one line that names node 0 and its
+    address, with no traceback or runtime line, and reports no epoch that
+    node 0 did not train with it (an all-reduce that came back without it
+    is not a step)."""
+    seen, node0 = host_runs[fault], host_runs["hosts"][fault][0]
+    print(f"{fault}: node 1 stopped {seen['took']:.1f} s after it struck: {seen['err']}")
+    assert seen["code"] == 1 and seen["took"] < 15
+    assert seen["err"].strip().splitlines() == [seen["err"].strip()], seen["err"]
+    assert seen["err"].startswith(f"error: node 0 ({node0}) lost: not heard from for"), seen["err"]
+    epochs = [int(line.split()[3].split("/")[0]) for line in seen["out"].splitlines()
+              if line.startswith("node 1: epoch ")]
+    assert epochs and max(epochs) <= seen["epoch"] + 1, (seen["epoch"], epochs)
+    for crash in ("Traceback", "XLA's runtime", "F1", "Fatal", "Gloo", "abort"):
+        assert crash not in seen["err"] + seen["out"], crash
+
+
+@pytest.mark.parametrize("victim", (0, 1))
+def test_a_lost_node_started_again_rejoins_and_the_run_ends_as_the_uninterrupted_one(
+        host_runs, victim):
+    """--max-restarts 1 --save: node ``victim``'s machine killed after node
+    0's second epoch (node 0's checkpoint removed with it: a machine without
+    its files), its command started again 10 s later.  The other node says,
+    in one line, that it waits for it; both end exit 0 with the
+    uninterrupted run's weights, bit for bit, node 0 from node 1's copy of
+    the run's checkpoint where node 0 was the one lost."""
+    name = f"node {victim} back"
+    print(f"{name}: training again {host_runs[name + ' start']:.1f} s after its command was "
+          f"started again")
+    lost = host_runs["hosts"][name][victim]
+    for code, err in host_runs[name]:
+        assert code == 0, err
+    survivor = host_runs[name][1 - victim][1]
+    waits = [line for line in survivor.splitlines() if "waiting up to 300 s for node " in line]
+    assert len(waits) == 1 and waits[0].startswith(f"node {victim} ({lost}) lost: "), survivor
+    restarts = [line for line in survivor.splitlines() if "restarting every worker" in line]
+    assert len(restarts) == 1 and restarts[0].endswith("(restart 1 of 1)"), survivor
+    if victim == 0:
+        returned = host_runs[name][0][1]
+        assert "from node 1's copy of the run's checkpoint at epoch " in returned, returned
+    if victim == 1:
+        assert host_runs[name + " said"].startswith("node 1 of 2: back in node 0's run at ")
+    folder = host_runs["folder"]
+    assert_identical_checkpoints(folder / checkpoint(name), folder / "whole.npz")

@@ -1,0 +1,370 @@
+"""Node 0's lobby and its members: who joins a run of several machines,
+who comes back to it, and what they hear.
+
+Node 0 keeps a ``Lobby`` at ``--coordinator``; every other node is a
+``Member`` of it, on one zmq connection under ZeroMQ's CURVE security,
+keyed by the run's secret (``nodes.curve_keys``).  A node first proves
+that it holds the secret, then shows its options, and is let in; from then
+on the two sides beat to each other (``nodes.Heartbeats``), node 0 sends
+every member its checkpoint at each save, and its order where the run
+starts again.  With ``--max-restarts``, a node that was lost may come back
+in its place, node 0 too: the members kept the run's last checkpoint, and
+give it to node 0 started again.
+"""
+import base64
+import json
+import os
+import sys
+import time
+
+import zmq
+
+from multi_gpu import cli, records
+from multi_gpu.cli import UsageError
+from multi_gpu.nodes import (LOST_AFTER, SECRET_VARIABLE, Alone, Heartbeats, Standing,
+                             check_port, curve_keys, host_and_port, run_secret)
+
+
+# bytes: a node's options fit many times over; one that comes back to a run adds the run's
+# checkpoint, in base64
+LOBBY_MESSAGE_LIMIT = 1 << 16
+HANDSHAKE_MS = 5000            # a connection that has not proved itself by then is dropped
+
+
+def hello(node_rank, options, kept=None):
+    """What a node says as it knocks at node 0's lobby: its rank and options;
+    where it comes back to a run that went on without node 0, what it kept
+    of the run (``Member.kept``)."""
+    return json.dumps(dict(node_rank=node_rank, options=options, kept=kept)).encode()
+
+
+class OnlyTheRun:
+    """The lobby's ZAP policy: a client is let in only with the run's key."""
+
+    def __init__(self, public):
+        self.public = public
+
+    def callback(self, domain, key):
+        return key == self.public
+
+
+class Lobby(Heartbeats):
+    """Node 0's door to a run of several machines, at ``--coordinator``.
+
+    A node first proves it holds the run's secret: the lobby is a zmq
+    socket under ZeroMQ's CURVE security, its key pair and the only client
+    key it lets in derived from the secret (``curve_keys``), so a stranger's
+    handshake fails before a byte of a message is read, and the stranger
+    learns nothing.  Then the node shows its run options and its node rank,
+    and is let in only where ``judge(options)`` finds nothing to say and
+    the rank is free; it is then told where JAX's coordinator listens (a
+    port of node 0's own choosing, or a socket in node 0's private run
+    folder where every node is on this machine), and the run's name.
+    Messages are bounded, a connection that does not finish its handshake
+    within seconds is dropped, and the door stays open for the run's nodes.
+    A node let in is a member from then on: the lobby hears its heartbeats
+    and sends it node 0's (``Heartbeats``), and, at each save, node 0's
+    checkpoint, which every member keeps.
+
+    Where the run takes nodes back (``returns``: ``--max-restarts``), a
+    node of a rank that was lost is let in again in its place, and told to
+    wait for node 0's order to start again; and a node that brings what it
+    kept of a run that is not this node 0's (node 0 was lost, and this is
+    node 0 started again) is heard: ``kept_by_others``."""
+
+    def __init__(self, address, judge, nodes, secret, jax_coordinator, *, run, returns, shapes):
+        import zmq.auth.thread
+        self.address, self.judge_options, self.nodes, self.run = address, judge, nodes, run
+        self.jax_coordinator, self.returns, self.members = jax_coordinator, returns, {}
+        self.identities = {}  # rank -> its member's zmq identity: members by rank, at once
+        self.shapes = shapes  # the model's: the checkpoints of this run are of it
+        self.kept, self.last_order, self.saved = {}, None, None  # rank -> what it kept
+        check_port(address)
+        public, private = curve_keys(secret)
+        context = zmq.Context()
+        self.auth = zmq.auth.thread.ThreadAuthenticator(context)
+        self.auth.start()
+        self.auth.configure_curve_callback("*", OnlyTheRun(public))
+        lobby = context.socket(zmq.ROUTER)
+        lobby.curve_secretkey, lobby.curve_publickey = private, public
+        lobby.curve_server = True
+        limit = LOBBY_MESSAGE_LIMIT + 2 * records.checkpoint_bytes(shapes, itemsize=8)
+        # every node may knock at once: past zmq's backlog of 100 the kernel drops their
+        # SYNs, which come again 1 s, 3 s, 7 s later (1024 nodes: all in after 2.8 s, not 0.9)
+        for option, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, limit),
+                              (zmq.HANDSHAKE_IVL, HANDSHAKE_MS), (zmq.BACKLOG, max(100, nodes))):
+            lobby.setsockopt(option, value)
+        lobby.bind(f"tcp://{address}")
+        self.start_beating(context, lobby)
+
+    def standings(self):
+        return [standing for _, standing in list(self.members.values())]
+
+    def answer(self, frames, reply):
+        self.socket.send_multipart([frames[0].bytes, b"", json.dumps(reply).encode()])
+
+    def received(self, frames):
+        identity, message = frames[0].bytes, json.loads(frames[-1].bytes)
+        if identity in self.members:  # a member's heartbeat
+            self.members[identity][1].heard_from(message["beat"])
+            return
+        why = self.judge(message)
+        if why:
+            return self.answer(frames, {"why": why})
+        rank, kept = message["node_rank"], message.get("kept")
+        address = frames[-1].get("Peer-Address") or "address unknown"
+        back = self.drop_lost(rank) or bool(kept)
+        with self.lock:
+            self.members[identity] = (rank, Standing(f"node {rank} ({address})", self.generation))
+            self.identities[rank] = identity
+            if kept and kept.get("run") != self.run:
+                self.kept[rank] = dict(kept, who=f"node {rank} ({address})")
+            # back: it waits for the order to start again, or takes the one given
+            self.answer(frames, {"why": None, "jax_coordinator": self.jax_coordinator,
+                                 "run": self.run, "back": back,
+                                 "order": self.last_order if back else None})
+
+    def drop_lost(self, rank):
+        """Forget the lost member of ``rank``, if any (it came back)."""
+        identity = self.identities.pop(rank, None)
+        return identity is not None and self.members.pop(identity, None) is not None
+
+    def judge(self, visitor):
+        """Why a visitor may not join (None: it may)."""
+        rank, options = visitor["node_rank"], dict(visitor["options"])
+        if type(rank) is not int or not 0 < rank < self.nodes:
+            return f"node rank {str(rank)[:20]} is not one of 1..{self.nodes - 1}"
+        why = self.judge_options(options)
+        if why:
+            return f"node 0 runs other options: {why}"
+        there = self.members[self.identities[rank]][1] if rank in self.identities else None
+        if there and not there.gone():
+            return (f"node {rank} of the run at {self.address} has joined already: is another "
+                    "run using this --coordinator?")
+        if there and not self.returns:
+            return f"node {rank} was lost, and this run takes no node back (--max-restarts 0)"
+        kept = visitor.get("kept")
+        if kept is not None and not (isinstance(kept, dict) and isinstance(kept.get("run"), str)
+                                     and type(kept.get("generation")) is int):
+            return "what it kept of the run is not what a node keeps"
+        return None
+
+    def beat(self, message):
+        for identity in list(self.members):
+            self.socket.send_multipart([identity, b"", message])
+
+    def present(self):
+        """Has every node of the run a member here that stands?"""
+        standing = {rank for rank, s in list(self.members.values()) if not s.gone()}
+        return standing >= set(range(1, self.nodes))
+
+    def missing(self):
+        """The ranks of the nodes with no member here that stands, in words."""
+        standing = {rank for rank, s in list(self.members.values()) if not s.gone()}
+        return [f"node {r}" for r in range(1, self.nodes) if r not in standing]
+
+    def kept_by_others(self):
+        """What the other nodes kept of the run that was this node 0's before
+        it was lost (this node 0 started again, with the run's secret): the
+        newest of it, or None where no node brought any."""
+        with self.lock:
+            kept = list(self.kept.values())
+        return max(kept, key=lambda k: (k["generation"], k.get("epoch") or 0), default=None)
+
+    def adopt(self, run):
+        """This node 0 goes on with the run ``run`` the others kept."""
+        with self.lock:
+            self.run, self.kept = run, {}
+
+    def share_saved(self, path):
+        """Node 0's checkpoint at ``path``, once more, to every member, where
+        this run wrote it anew (``records.written_by``): each keeps the run's
+        last, for a node 0 started again on a machine without it."""
+        try:
+            st = os.stat(path)
+        except (OSError, TypeError):
+            return
+        if (st.st_ino, st.st_mtime_ns, st.st_size) == self.saved:
+            return
+        self.saved = (st.st_ino, st.st_mtime_ns, st.st_size)
+        try:
+            raw = records.read_checkpoint(path, self.shapes)
+        except records.CheckpointError:
+            return
+        run, epoch = records.written_by(path, self.shapes, raw)
+        if run == self.run:
+            message = {"saved": dict(run=run, epoch=epoch,
+                                     checkpoint=base64.b64encode(raw).decode())}
+            with self.lock:
+                self.outbox.append(json.dumps(message).encode())
+
+    def order_restart(self, generation, why, jax_coordinator, resume_epoch, checkpoint):
+        """Start the run again, every node: where JAX's coordinator listens
+        now, and the checkpoint's bytes (None: from the first epoch), which
+        the other machines may not hold."""
+        self.restart(generation)
+        if not why.startswith("node "):
+            why = f"node 0 ({host_and_port(self.address)[0]}): {why}"
+        order = dict(generation=generation, why=why, jax_coordinator=jax_coordinator,
+                     resume_epoch=resume_epoch, run=self.run, checkpoint=checkpoint and
+                     base64.b64encode(checkpoint).decode())
+        with self.lock:
+            self.last_order = order
+            self.outbox.append(json.dumps({"restart": order}).encode())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_beating()
+        self.auth.stop()
+        self.context.term()
+
+
+class NoAnswer(Exception):
+    """Node 0 never answered: a run that did not happen (the launcher exits 1)."""
+
+
+class Member(Heartbeats):
+    """Node ``node_rank`` of a run, from the moment node 0's lobby at
+    ``address`` lets it in (``Lobby``): ``jax_coordinator`` is where JAX's
+    coordinator listens; node 0's heartbeats are heard, this node's sent.
+    It keeps the run's last checkpoint, as node 0 sends it at each save
+    (``kept``): node 0, lost and started again, takes it back from here.
+    ``back``: let in again after it was lost, it waits for node 0's order."""
+
+    def __init__(self, address, node_rank, options, timeout, secret):
+        self.address, self.node_rank, self.options = address, node_rank, options
+        self.secret, self.context, self.kept = secret, zmq.Context(), None
+        try:
+            self.join(timeout)
+        except BaseException:
+            self.context.term()
+            raise
+
+    def join(self, timeout, kept=None):
+        """Knock at node 0's lobby and wait ``timeout`` s for its answer; then beat."""
+        import zmq.utils.monitor
+        public, private = curve_keys(self.secret)
+        member = self.context.socket(zmq.DEALER)
+        member.curve_serverkey, member.curve_publickey, member.curve_secretkey = public, public, \
+            private
+        member.setsockopt(zmq.LINGER, 0)
+        monitor = member.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        try:
+            try:
+                member.connect(f"tcp://{self.address}")
+                member.send_multipart([b"", hello(self.node_rank, self.options, kept)])
+                answer = self.answer_of(member, monitor, self.address, timeout)
+            finally:
+                member.disable_monitor()
+                monitor.close()
+            if answer["why"]:
+                raise UsageError(f"refused by node 0 at {self.address}: {answer['why']}")
+        except BaseException:
+            member.close()
+            raise
+        self.jax_coordinator, self.run, self.back = answer["jax_coordinator"], answer["run"], \
+            answer["back"]
+        self.order = answer["order"] or self.order
+        self.node0 = Standing(f"node 0 ({host_and_port(self.address)[0]})", self.generation)
+        self.start_beating(self.context, member)
+
+    def rejoin(self, timeout):
+        """Node 0 was lost: knock again at its address, with what this node
+        kept of the run, until node 0 (started again) answers, for at most
+        ``timeout`` s (NoAnswer)."""
+        self.stop_beating()
+        self.join(timeout, dict(self.kept or {}, run=self.run, generation=self.generation))
+
+    @staticmethod
+    def answer_of(member, monitor, address, timeout):
+        from multi_gpu.worker import stopping
+        deadline = time.monotonic() + timeout
+        while not member.poll(100):
+            if monitor.poll(0):
+                raise UsageError(f"refused by node 0 at {address}: the handshake failed: this "
+                                 "node does not hold the run's secret (give it the one node 0 "
+                                 f"printed, in {SECRET_VARIABLE} or --secret-file)")
+            if stopping.is_set():
+                raise UsageError("interrupted while waiting for node 0")
+            if time.monotonic() > deadline:
+                raise NoAnswer(f"node 0 did not answer at {address} within {timeout:g} s (is "
+                               "it started, and can this machine reach it? see --timeout)")
+        return json.loads(member.recv_multipart()[-1])
+
+    def standings(self):
+        return (self.node0,)
+
+    def received(self, frames):
+        message = json.loads(frames[-1].bytes)
+        if "restart" in message:
+            self.order = message["restart"]
+            if message["restart"]["checkpoint"]:
+                self.kept = {k: message["restart"][k] for k in ("checkpoint", "run")}
+                self.kept["epoch"] = message["restart"]["resume_epoch"]
+        elif "saved" in message:
+            self.kept = message["saved"]
+        else:
+            self.node0.heard_from(message["beat"])
+
+    def await_order(self):
+        """Node 0's order to start again, once this node has failed, or came
+        back: None where node 0 fails or is lost first, or says nothing in
+        time.  While node 0 waits for a lost node to come back, so does this
+        one, and says so once."""
+        from multi_gpu.worker import stopping
+        deadline, said = time.monotonic() + LOST_AFTER + 10, None
+        while not (self.ordered() or self.verdict() or stopping.is_set()):
+            waiting = self.node0.waiting
+            if waiting:
+                deadline = time.monotonic() + LOST_AFTER + 10
+                if waiting != said:
+                    cli.say(f"node {self.node_rank}: {waiting}", file=sys.stderr)
+                    said = waiting
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return self.ordered()
+
+    def answer(self, frames, reply):
+        pass  # node 0 says only heartbeats
+
+    def beat(self, message):
+        self.socket.send_multipart([b"", message])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_beating()
+        self.context.term()
+
+
+def meet(args, judge, shapes, stack):
+    """How this node hears from the other nodes of its run: ``Alone`` where
+    there are none; on node 0, its ``Lobby`` at --coordinator, which lets in
+    the nodes whose options ``judge`` finds nothing to say of; on any other,
+    its membership of that lobby, which tells it where JAX's coordinator
+    listens, and the run's name (``args.run_id``).  The lobby and the
+    membership close with ``stack``.  Returns (the link, a notice: the
+    secret node 0 made, where it made one; on any other node, that it
+    joined, or came back, and which workers it runs)."""
+    if args.nodes == 1:
+        return Alone(), None
+    secret, notice = run_secret(args)  # the others prove they belong here: they hold it
+    if args.node_rank == 0:
+        return stack.enter_context(Lobby(args.coordinator, judge, args.nodes, secret,
+                                         args.jax_coordinator, run=args.run_id,
+                                         returns=args.max_restarts > 0, shapes=shapes)), notice
+    member = stack.enter_context(Member(args.coordinator, args.node_rank, args.run_options,
+                                        args.timeout, secret))
+    args.jax_coordinator, args.run_id = member.jax_coordinator, member.run
+    n = len(args.devices)
+    ranks = ", ".join(map(str, range(args.node_rank * n, (args.node_rank + 1) * n)))
+    how = "back in node 0's run" if member.back else "joined node 0"
+    return member, (f"node {args.node_rank} of {args.nodes}: {how} at {args.coordinator}; "
+                    f"worker{'s' * (n > 1)} {ranks} of {args.nodes * n} here, on "
+                    f"{', '.join(args.devices)}")
