@@ -187,10 +187,10 @@ def table(document):
 def summary(document):
     """README.md's line: how far the lobby was measured, and how it held."""
     f = document["figures"]
-    return (f"{measured_by(document)}: {', '.join(str(x['members']) for x in f)} simulated "
-            f"members, all in within {max(x['let_in_s'] for x in f):.1f} s, node 0 at most at "
-            f"{100 * max(x['node0_cpu_share'] for x in f):.0f} % of a core, a silent one named "
-            f"after {max(x['lost_named_after_s'] for x in f):.1f} s.")
+    return (f"{measured_by(document)}: {', '.join(str(x['members']) for x in f)} members "
+            f"simulated: all in within {max(x['let_in_s'] for x in f):.1f} s, node 0 at "
+            f"{100 * max(x['node0_cpu_share'] for x in f):.0f} % of a core at most, a silent one "
+            f"named after {max(x['lost_named_after_s'] for x in f):.1f} s.")
 
 
 def main():

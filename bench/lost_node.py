@@ -210,9 +210,9 @@ def summary(document):
     back = {f["node"]: f for f in document.get("returns", [])}
     codes = sorted({c for f in back.values() for c in f["exit_codes"]})
     return (f"{measured_by(document)}: node 1 lost, named within {slowest(1):.1f} s; node 0 "
-            f"lost, within {slowest(0):.1f} s; a killed node's command started again trained "
+            f"lost, within {slowest(0):.1f} s; a killed node started again trained after "
             f"{back[1]['training_again_after_s']:.1f} s (node 1), "
-            f"{back[0]['training_again_after_s']:.1f} s (node 0) after its start, all ending exit "
+            f"{back[0]['training_again_after_s']:.1f} s (node 0), all ending exit "
             f"{' or '.join(map(str, codes))}.")
 
 
