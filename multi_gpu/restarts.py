@@ -89,7 +89,10 @@ def node0_again(args, shapes, link, why, lost, code):
         where = host_and_port(args.coordinator)[0]
         return generation, why, resumed, f"node 0 ({where}) came back"
     why = f"{why}, and came back" if lost else why
-    return generation, why, restart_point(args, shapes), why
+    try:
+        return generation, why, restart_point(args, shapes), why
+    except (UsageError, records.CheckpointError) as e:
+        raise RunEnds(f"{why}; no restart: {e}") from None
 
 
 def wait_for_the_others(args, link, why, lost):
@@ -190,11 +193,8 @@ def restart_point(args, shapes):
     --resume, or the first epoch).  Returns where, in words."""
     if args.save and records.written_by(args.save, shapes)[0] == args.run_id:
         args.resume = args.save
-    try:
-        if args.resume:
-            check_resume(args, shapes)
-    except (UsageError, records.CheckpointError) as e:
-        raise RunEnds(f"no restart: {e}") from None
+    if args.resume:
+        check_resume(args, shapes)
     return resumed_at(args)
 
 
