@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from bench.common import OUT, ROOT, measured_by, parse_args, record, show
+from bench.common import OUT, ROOT, measured_by, parse_args, prog, record, show
 from multi_gpu.cli import Parser, positive_int
 
 BACKENDS = {"jax": ("JAX (the default)", {}),
@@ -56,7 +56,7 @@ def quick_start(env, json_path, epochs=None):
                          env=dict(os.environ, **env))
     wall = time.perf_counter() - start
     if out.returncode != 0:
-        sys.exit(f"first_run.py: error: {' '.join(cmd)} failed ({out.returncode}):\n"
+        sys.exit(f"{prog()}: error: {' '.join(cmd)} failed ({out.returncode}):\n"
                  f"{out.stderr[-2000:]}")
     compiled = re.search(r"\.\.\. (?:compiled|loaded from .*?) in ([\d.]+) s", out.stdout)
     with open(json_path) as f:
@@ -133,8 +133,12 @@ def main():
                         "tens of seconds")
     p.add_argument("--out", default=OUT, help="folder for first_run_cpu.json")
     args = parse_args(p, table)
-    with tempfile.TemporaryDirectory(prefix="first-run-") as tmp:
-        figures = measure(args, tmp)
+    try:
+        with tempfile.TemporaryDirectory(prefix="first-run-") as tmp:
+            figures = measure(args, tmp)
+    except KeyboardInterrupt:  # its medians need every run: a run cut short has none
+        sys.exit(f"{prog()}: interrupted: nothing was recorded (its figures are medians of "
+                 "runs it had not finished)")
     path = record("first_run_cpu", args.out, cpu=True, block="first_run.py", cores=os.cpu_count(),
                   cold_runs=args.cold_runs, warm_runs=args.warm_runs, speed_runs=args.speed_runs,
                   speed_epochs=args.speed_epochs, figures=figures)

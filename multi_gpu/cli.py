@@ -217,6 +217,13 @@ def writable(path):
     if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
         raise argparse.ArgumentTypeError(f"{path} is not a regular file (a device, FIFO or "
                                          "socket): an output goes only to a regular file")
+    # /dev/stdout, /proc/self/fd/1: a descriptor of a process, whatever it holds now (as
+    # root, the write beside it and the rename would replace /dev's own link)
+    if any(p.startswith("/proc/") or p.startswith("/dev/") and not p.startswith("/dev/shm/")
+           for p in (path, os.path.realpath(path))):
+        raise argparse.ArgumentTypeError(f"{path} is a device's or a process's descriptor, not "
+                                         "a file of its own: an output goes only to a regular "
+                                         "file")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"cannot write {path}: folder {folder} does not exist")
     longest = os.pathconf(folder, "PC_NAME_MAX") - files.TEMPORARY_LONGER
@@ -265,12 +272,18 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, si
                 signal.SIGXCPU)
 
 
+# SIGHUP as the process found it: ignored under nohup, whose run must outlive its terminal
+HANGUP_IGNORED = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+
+
 def install_stop_handler(handler):
     """From now on the signals that would end the process (Ctrl-C, SIGTERM, a
     closed terminal's SIGHUP, SIGUSR1/2) call ``handler``, which stops it the
-    way it can clean up (start-up is over)."""
+    way it can clean up (start-up is over); SIGHUP stays ignored where the
+    process started with it ignored (``nohup``)."""
     for signum in STOP_SIGNALS:
-        signal.signal(signum, handler)
+        ignored = signum == signal.SIGHUP and HANGUP_IGNORED
+        signal.signal(signum, signal.SIG_IGN if ignored else handler)
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ removed, so child processes inherit the result without warning again.
 """
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from warnings import catch_warnings, showwarning
@@ -227,3 +228,18 @@ keep_a_stdout()
 # Too late once PyTensor is imported (e.g. by a notebook): its flags are read.
 if "pytensor" not in sys.modules:
     apply()
+
+
+def xla_flags_problem(environ=os.environ):
+    """What XLA says of XLA_FLAGS, in one line, where it refuses a flag: it
+    reads them only as its first backend starts, and then ends the process
+    (glog's fatal line, exit 1, its temporaries left), so a process of its
+    own asks first (a second, only where XLA_FLAGS is set).  None where they
+    are unset or taken."""
+    if not environ.get("XLA_FLAGS", "").strip():
+        return None
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"],
+                           env=dict(environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                           text=True, timeout=120)
+    refused = re.search(r"Unknown flags? in XLA_FLAGS: *(.*)", probe.stderr)
+    return refused and f"XLA_FLAGS: XLA does not know {refused.group(1).strip()[:200]}"

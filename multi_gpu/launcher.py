@@ -126,6 +126,8 @@ class Forked:
             limit_blas_threads(env)
             import jax  # JAX read JAX_PLATFORMS as the launcher imported it
             jax.config.update("jax_platforms", env.get("JAX_PLATFORMS"))
+            if env.get("JAX_PLATFORMS") == "cpu":  # one device a worker, whatever
+                jax.config.update("jax_num_cpu_devices", 1)  # JAX_NUM_CPU_DEVICES says
             # (descriptor 1 is open: /dev/null where the launcher started without, flags.py)
             sys.stdout, sys.stderr = cli.text_stream(1, sys.stdout), cli.text_stream(2, sys.stderr)
             with contextlib.suppress(OSError, AttributeError):  # ps, top and pgrep show it
@@ -198,11 +200,12 @@ class Worker:
         self.pump = threading.Thread(target=self._pass_stderr, daemon=True)
 
     def _pass_stderr(self):
-        for line in self.proc.stderr:
-            self.last_word = time.monotonic()
-            if not Worker.quiet and self.SPOKEN.fullmatch(line.rstrip()):
-                cli.say(line, end="", file=sys.stderr)
-            self.tail.append(line.rstrip())
+        with self.proc.stderr:  # read to its end: the worker is gone
+            for line in self.proc.stderr:
+                self.last_word = time.monotonic()
+                if not Worker.quiet and self.SPOKEN.fullmatch(line.rstrip()):
+                    cli.say(line, end="", file=sys.stderr)
+                self.tail.append(line.rstrip())
 
     def stalled(self, rundir, patience):
         """Has its heartbeat (``worker.Watchdog``) been still for ``patience``
@@ -306,7 +309,7 @@ def launch(args, shapes, start, rundir, link):
         if problem:
             cli.say(f"error: {problem}", file=sys.stderr)
             return 1, "", None, False
-        ended = watch(workers, rundir, link, stall_patience(args.timeout), args.save)
+        ended = watch(workers, rundir, link, args)
         if ended:
             return ended
         left = stop(workers)
@@ -361,14 +364,17 @@ def leave_the_request(args, rundir):
     return None
 
 
-def watch(workers, rundir, link, patience, save):
+def watch(workers, rundir, link, args):
     """Until the workers all end well, or one fails or stops running, or
     another node is lost, or node 0 orders the run to start again, or the
     other nodes bring this node 0 the run they kept: the launch's result
     (``launch``); None once the run is asked to stop.  Meanwhile node 0's
-    checkpoint (``save``) goes to the others at each save."""
+    checkpoint goes to the others at each save, and node 0 says whom it
+    waits for while a node has not joined."""
+    patience, meeting = stall_patience(args.timeout), time.monotonic() + args.timeout
     while not stopping.is_set():
-        link.share_saved(save)
+        link.share_saved(args.save)
+        link.say_who_is_missing(meeting, args.timeout)
         codes = [w.proc.poll() for w in workers]
         if all(code == 0 for code in codes):
             link.tell("done")
@@ -414,10 +420,13 @@ def what_failed(workers, failed, stalled, verdict, link, rundir, patience):
         if link.ordered():
             return 1, "", link.ordered()["why"], False
     trace, why = "", verdict
-    if not verdict and stalled:
+    if not why and failed and failed[0].said_why() and any(
+            "did not all meet at the coordinator" in line for line in failed[0].tail):
+        why = link.never_joined()  # node 0: the nodes it waited for, not JAX's address
+    if not why and stalled:
         why = f"worker {stalled[0].rank} (device {stalled[0].dev}) stopped: silent for " \
             f"{patience:g} s"
-    elif not verdict:
+    elif not why:
         trace, cause = failed[0].cause()
         why = f"worker {failed[0].rank} (device {failed[0].dev}) failed: {cause}"
     at = "" if " at epoch " in why else at  # another node's word says where already

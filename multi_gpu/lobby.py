@@ -29,6 +29,7 @@ from multi_gpu.nodes import (LOST_AFTER, SECRET_VARIABLE, Alone, Heartbeats, Sta
 # checkpoint, in base64
 LOBBY_MESSAGE_LIMIT = 1 << 16
 HANDSHAKE_MS = 5000            # a connection that has not proved itself by then is dropped
+WAITING_SAID_S = 15            # node 0 says whom it waits for this often
 
 
 def hello(node_rank, options, kept=None):
@@ -77,6 +78,7 @@ class Lobby(Heartbeats):
         self.address, self.judge_options, self.nodes, self.run = address, judge, nodes, run
         self.jax_coordinator, self.returns, self.members = jax_coordinator, returns, {}
         self.identities = {}  # rank -> its member's zmq identity: members by rank, at once
+        self.refusals, self.waited = set(), time.monotonic()
         self.shapes = shapes  # the model's: the checkpoints of this run are of it
         self.kept, self.last_order, self.saved = {}, None, None  # rank -> what it kept
         check_port(address)
@@ -110,6 +112,7 @@ class Lobby(Heartbeats):
             return
         why = self.judge(message)
         if why:
+            self.say_refused(frames[-1].get("Peer-Address") or "address unknown", message, why)
             return self.answer(frames, {"why": why})
         rank, kept = message["node_rank"], message.get("kept")
         address = frames[-1].get("Peer-Address") or "address unknown"
@@ -123,6 +126,15 @@ class Lobby(Heartbeats):
             self.answer(frames, {"why": None, "jax_coordinator": self.jax_coordinator,
                                  "run": self.run, "back": back,
                                  "order": self.last_order if back else None})
+
+    def say_refused(self, address, visitor, why):
+        """Node 0 says, once for each node and reason, whom it refused and why."""
+        said = (address, why)
+        if said not in self.refusals:
+            self.refusals.add(said)
+            rank = visitor.get("node_rank") if isinstance(visitor, dict) else None
+            who = f"node {rank}" if type(rank) is int else "a node"
+            cli.say(f"node 0: refused {who} at {address}: {why}", file=sys.stderr)
 
     def drop_lost(self, rank):
         """Forget the lost member of ``rank``, if any (it came back)."""
@@ -162,6 +174,22 @@ class Lobby(Heartbeats):
         """The ranks of the nodes with no member here that stands, in words."""
         standing = {rank for rank, s in list(self.members.values()) if not s.gone()}
         return [f"node {r}" for r in range(1, self.nodes) if r not in standing]
+
+    def never_joined(self):
+        """The nodes that never joined, in words (None: every one did)."""
+        never = [f"node {r}" for r in range(1, self.nodes) if r not in self.identities]
+        return never and f"{' and '.join(never)} never joined node 0 at {self.address}"
+
+    def say_who_is_missing(self, until, timeout):
+        """Now and then while a node has not joined (every ``WAITING_SAID_S``
+        s, or twice within a ``timeout`` shorter): which, and how long the
+        workers wait for it still (until ``until``, monotonic)."""
+        never = self.never_joined()
+        if never and time.monotonic() - self.waited > min(WAITING_SAID_S, timeout / 2):
+            self.waited = time.monotonic()
+            left = max(0, until - time.monotonic())
+            cli.say(f"node 0: waiting for {never.split(' never ')[0]} to join at "
+                    f"{self.address} ({left:.0f} s more; see --timeout)", file=sys.stderr)
 
     def kept_by_others(self):
         """What the other nodes kept of the run that was this node 0's before

@@ -11,6 +11,7 @@ nodes; the workers' own collectives (gloo, NCCL) would wait minutes for a
 peer whose cable is cut, and say nothing of who it was.
 """
 import collections
+import errno
 import hashlib
 import json
 import os
@@ -66,6 +67,7 @@ def check_port(address):
 
 SECRET_VARIABLE = "DUAL_MLP_SECRET"  # the run's secret, for the nodes of a run of several
 SHORTEST_SECRET = 16                 # characters: fewer could be guessed
+LONGEST_SECRET = 4096                # bytes: node 0 prints 32 characters
 
 
 def run_secret(args):
@@ -74,32 +76,15 @@ def run_secret(args):
     file only this user can read, as ssh wants of a key), else from
     ``DUAL_MLP_SECRET``, else, on node 0, a new one.  Never from the
     command line, which every user of a machine can read."""
-    if args.secret_file:
-        try:
-            fd = os.open(args.secret_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError as e:
-            raise UsageError(f"--secret-file {args.secret_file}: {e.strerror.lower()}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-                raise UsageError(f"--secret-file {args.secret_file} must be a regular file of "
-                                 "yours that nobody else can read or write (chmod 600)")
-            secret = os.read(fd, 4096).decode().strip()
-        except UnicodeDecodeError:
-            raise UsageError(f"--secret-file {args.secret_file} does not hold text: the "
-                             "secret is the line node 0 printed") from None
-        finally:
-            os.close(fd)
-        if not secret:
-            raise UsageError(f"--secret-file {args.secret_file} is empty: put the run's secret "
-                             "in it (the line node 0 printed), or leave the option out on node 0, "
-                             "which then makes one")
-    else:
-        secret = os.environ.get(SECRET_VARIABLE, "").strip()
+    secret = secret_in_file(args.secret_file) if args.secret_file else \
+        os.environ.get(SECRET_VARIABLE, "").strip()
     if secret:
         if len(secret) < SHORTEST_SECRET:
             raise UsageError(f"the run's secret is too short to keep strangers out: at least "
                              f"{SHORTEST_SECRET} characters")
+        if len(secret.encode()) > LONGEST_SECRET:
+            raise UsageError(f"the run's secret is longer than {LONGEST_SECRET} bytes: it is "
+                             "the one line node 0 printed")
         return secret, None
     if args.node_rank != 0:
         raise UsageError(f"node {args.node_rank} needs the run's secret: start it with "
@@ -108,6 +93,36 @@ def run_secret(args):
     return secret, (f"the run's secret, which the other nodes must be given: {SECRET_VARIABLE}="
                     f"{secret} (in their environment, or in a file of mode 600 named by "
                     "--secret-file), never on a command line")
+
+
+def secret_in_file(path):
+    """The secret in ``path``: a regular file of this user's that nobody else
+    can read or write, not a link to one, holding one line of text."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        why = "a symbolic link: name the file itself, which a link's owner cannot change " \
+            "under the run" if e.errno == errno.ELOOP else e.strerror.lower()
+        raise UsageError(f"--secret-file {path}: {why}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise UsageError(f"--secret-file {path} must be a regular file of yours that nobody "
+                             "else can read or write (chmod 600)")
+        raw = f.read(LONGEST_SECRET + 2).strip()
+    if len(raw) > LONGEST_SECRET:
+        raise UsageError(f"--secret-file {path} holds more than {LONGEST_SECRET} bytes: the "
+                         "secret is the one line node 0 printed")
+    try:
+        secret = raw.decode()
+    except UnicodeDecodeError:
+        raise UsageError(f"--secret-file {path} does not hold text: the secret is the line "
+                         "node 0 printed") from None
+    if not secret:
+        raise UsageError(f"--secret-file {path} is empty: put the run's secret in it (the line "
+                         "node 0 printed), or leave the option out on node 0, which then makes "
+                         "one")
+    return secret
 
 
 def curve_keys(secret):
@@ -192,6 +207,12 @@ class Alone:
     def share_saved(self, path):
         pass
 
+    def never_joined(self):
+        return None
+
+    def say_who_is_missing(self, until, timeout):
+        pass
+
 
 class Heartbeats:
     """What node 0 and its members share: this node's own standing, sent
@@ -239,6 +260,13 @@ class Heartbeats:
     def kept_by_others(self):
         """(node 0's: ``Lobby``)"""
         return None
+
+    def never_joined(self):
+        """(node 0's: ``Lobby``)"""
+        return None
+
+    def say_who_is_missing(self, until, timeout):
+        """(node 0's: ``Lobby``)"""
 
     def share_saved(self, path):
         """(node 0's: ``Lobby``)"""

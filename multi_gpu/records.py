@@ -235,7 +235,7 @@ class Progress:
         self.epoch, self.best_validation_error, self.test_error = epoch, best_validation_error, \
             test_error
         self.validation_errors, self.best_params = list(validation_errors), params
-        self.curve, self.steps, self.train_s, self.saved = [], 0, 0.0, 0
+        self.curve, self.steps, self.train_s, self.saved = [], 0, 0.0, None  # saved: its epoch
 
     @classmethod
     def begin(cls, model, checkpoint=None):
@@ -273,17 +273,21 @@ class Progress:
         try:
             save_checkpoint(path, params, self.best_params, **self.state(), config=config,
                             run=run)
-            self.saved += 1
+            self.saved = self.epoch
         except OSError as e:
             print(f"worker 0: warning: could not write {path} ({e.strerror}): the previous one "
                   "is kept", file=sys.stderr)
 
     def check_saved(self, path):
-        """A run asked to ``--save`` that trained and could write no checkpoint
-        at all has failed, whatever else it did."""
-        if path and self.steps and not self.saved:
+        """A run asked to ``--save`` that trained and could not write the
+        checkpoint of its last epoch has failed, whatever else it did: it
+        says which epoch the file holds, if any."""
+        if path and self.steps and self.saved is None:
             raise CheckpointError(f"no checkpoint could be written to {path} (see the "
                                   "warnings above): the training is lost")
+        if path and self.steps and self.saved != self.epoch:
+            raise CheckpointError(f"{path} holds epoch {self.saved}, not epoch {self.epoch}, "
+                                  "the last one trained (see the warnings above)")
 
     def summary(self, steps_per_epoch):
         """The summary's entries that describe the training itself."""

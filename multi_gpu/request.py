@@ -326,6 +326,9 @@ def check_outputs(args):
                     allowed={("--save", "--resume")})
     if why:
         raise UsageError(why)
+    if args.trace and not args.trace.endswith(".json"):
+        raise UsageError(f"--trace {args.trace}: a trace is JSON: name it PATH.json (its "
+                         "picture goes beside it, PATH.png)")
 
 
 def trace_picture(path):

@@ -368,23 +368,24 @@ def check(document):
 
     def count(x, most=1 << 31):
         return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < most
+
+    def text(x, most):  # what a picture can draw: no lone surrogate, no control character
+        return isinstance(x, str) and len(x) <= most and x.isprintable()
     need(isinstance(document, dict) and isinstance(document.get("traceEvents"), list),
          "no traceEvents list")
     about = document.get("otherData")
-    need(isinstance(about, dict) and isinstance(about.get("title"), str)
-         and len(about["title"]) <= 200, "no otherData title")
+    need(isinstance(about, dict) and text(about.get("title"), 200), "no otherData title")
     window = about.get("window", {})
     need(isinstance(window, dict) and all(count(v) for v in window.values())
          and window.get("steps_per_epoch", 1) > 0, "a window that is not a trace's")
     named, kinds, phases = set(), set(), 0
     for e in document["traceEvents"]:
         need(isinstance(e, dict) and e.get("ph") in ("M", "X") and count(e.get("pid"), 1 << 16)
-             and isinstance(e.get("name"), str) and len(e["name"]) <= 100
-             and isinstance(e.get("args"), dict), "an event that is not one of a trace's")
+             and text(e.get("name"), 100) and isinstance(e.get("args"), dict),
+             "an event that is not one of a trace's")
         if e["ph"] == "M":
             if e["name"] == "process_name":
-                need(isinstance(e["args"].get("name"), str) and len(e["args"]["name"]) <= 100,
-                     "a worker without a name")
+                need(text(e["args"].get("name"), 100), "a worker without a name")
                 named.add(e["pid"])
             continue
         args = e["args"]

@@ -78,8 +78,9 @@ def run(script, train, dataset, outputs=None, shapes=None):
     for bad input, 1 for a write that failed at the end (the file before
     it is kept)."""
     outputs = outputs or {}
-    too_few = flags.threads_problem(flags.THREADS_PER_PROCESS + 16, script)
-    if too_few:  # said before XLA starts its pools
+    too_few = flags.threads_problem(flags.THREADS_PER_PROCESS + 16, script) or \
+        flags.xla_flags_problem()
+    if too_few:  # said before XLA starts its pools, or ends the process on a flag it refuses
         print(f"{script}: error: {too_few}", file=sys.stderr)
         return 2
     try:

@@ -397,9 +397,12 @@ def test_an_output_folder_made_read_only_mid_run_leaves_no_traceback(tmp_path):
 @pytest.mark.parametrize("how, env, runs", [
     (["-OO"], {}, True),                   # no docstrings: --help read them; a whole run
     (["-I"], {}, False),                   # the scripts' folder, where the package is, off the path
-    ([], {"PYTHONSAFEPATH": "1"}, True)])  # the same, and the workers inherit it: a whole run
+    # the same, and the workers inherit it: a whole run; with every warning an error (a
+    # worker's error output left unclosed said so), and JAX asked for 4 CPU devices a process
+    ([], {"PYTHONSAFEPATH": "1", "PYTHONWARNINGS": "error", "JAX_NUM_CPU_DEVICES": "4"}, True)])
 def test_the_scripts_run_under_odd_interpreter_flags(how, env, runs, tmp_path):
-    """Each script answers --help and (where the flag reaches further) runs."""
+    """Each script answers --help and (where the flag reaches further) runs,
+    and says nothing it would not say otherwise."""
     for name, args in (("dual_mlp.py", ["cpu", "cpu", "--epochs", "1"]),
                        ("mlp.py", ["--epochs", "1"]), ("logistic_sgd.py", ["--epochs", "1"])):
         for extra in ([], ["--help"]) if runs and name == "dual_mlp.py" else (["--help"],):
@@ -408,6 +411,7 @@ def test_the_scripts_run_under_odd_interpreter_flags(how, env, runs, tmp_path):
                                  env=environment(env))
             assert out.returncode == 0 and "Traceback" not in out.stderr, (how, name,
                                                                           out.stderr[-800:])
+            assert "Exception ignored" not in out.stderr, out.stderr[-800:]
 
 
 def test_a_limit_of_open_files_too_low_to_raise_is_one_line():
@@ -417,7 +421,7 @@ def test_a_limit_of_open_files_too_low_to_raise_is_one_line():
     one_line(out, 2, "ulimit -n 12: the run needs about 128 open files")
 
 
-def test_xla_flags_that_are_not_flags_are_one_line():
+def test_xla_flags_that_are_not_flags_are_one_line(tmp_path):
     one_line(dual("cpu", "cpu", env={"XLA_FLAGS": "not a flag"}, timeout=60), 2,
              "XLA_FLAGS: 'not' is not a flag (each starts with --")
     # one XLA does not know: its runtime's words, without its log's stamp, and nothing left;
@@ -426,6 +430,13 @@ def test_xla_flags_that_are_not_flags_are_one_line():
                timeout=60)
     one_line(out, 2, "failed: XLA's runtime: Unknown flag in XLA_FLAGS: --xla_no_such_flag=1")
     assert not re.search(r"^F\d{4} ", out.stderr, re.M), out.stderr
+    # a tutorial script, one process: asked before XLA ends it, and nothing left in TMPDIR
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = script("mlp.py", "--epochs", 1, env={"XLA_FLAGS": "--xla_no_such_flag=1",
+                                               "TMPDIR": str(tmp)}, timeout=60)
+    one_line(out, 2, "mlp.py: error: XLA_FLAGS: XLA does not know --xla_no_such_flag=1")
+    assert list(tmp.iterdir()) == []
 
 
 @pytest.mark.parametrize("env, words", [

@@ -18,7 +18,7 @@ import pytest
 
 from multi_gpu import cli, datasets, records
 from conftest import splits as conftest_splits
-from conftest import (LAUNCHERS, ROOT, SHAPES, TOKEN, dual, finish, interrupted,
+from conftest import (LAUNCHERS, ROOT, SHAPES, TOKEN, dual, environment, finish, interrupted,
                       kill_one_worker, leftover_workers, run_directories, script,
                       refused, start_checkpointing, start_dual, start_node, wait_for,
                       wait_until_training, workers_of)
@@ -201,8 +201,16 @@ def test_a_node_given_another_option_is_refused_in_one_line(no_leftovers):
         assert code == 2 and err.strip().splitlines() == [
             f"dual_mlp.py: error: refused by node 0 at 127.0.0.1:{port}: node 0 runs other "
             f"options: {words}"]
-    code, _, err = finish(node0, timeout=60)  # its partner never came: one line
-    assert code == 1 and len(err.strip().splitlines()) == 1 and "did not all meet" in err
+    # its partner never came: node 0 says whom it refused and why, as it does, whom it
+    # waits for meanwhile, and, last, which node never came (not JAX's coordinator's socket)
+    code, _, err = finish(node0, timeout=60)
+    lines = err.strip().splitlines()
+    assert code == 1 and lines[-1] == f"error: node 1 never joined node 0 at 127.0.0.1:{port}", err
+    assert sorted(line for line in lines if line.startswith("node 0: refused ")) == sorted(
+        f"node 0: refused node 1 at 127.0.0.1: node 0 runs other options: {words}"
+        for _, words in refused_nodes), err
+    assert any(line.startswith(f"node 0: waiting for node 1 to join at 127.0.0.1:{port} (")
+               for line in lines), err
 
 
 def test_a_taken_port_is_one_line(no_leftovers):
@@ -335,6 +343,16 @@ def test_a_device_node_as_an_output_is_refused_and_stays_a_device(tmp_path, opti
         assert stat.S_ISCHR(os.stat(node).st_mode)
 
 
+@pytest.mark.parametrize("output", ["/dev/stderr", "/dev/stdout", "/proc/self/fd/1"])
+def test_a_process_descriptor_as_an_output_is_refused_before_training(output, capsys):
+    """/dev/stderr and the like name whatever a process holds open there (a
+    regular file, as root, at times): the run was taken, trained, then
+    failed to write (and as root its rename would replace /dev's link)."""
+    for option in ("--save", "--json"):
+        out = refused(capsys, "cpu", "cpu", "--epochs", 1, option, output)
+        one_line(out, 2, f"argument {option}: {output} is a device's or a process's descriptor")
+
+
 def test_a_fifo_as_resume_is_refused_before_it_is_opened(tmp_path):
     fifo = tmp_path / "ck.npz"
     os.mkfifo(fifo)
@@ -375,6 +393,23 @@ def test_a_hangup_or_user_signal_stops_the_run_in_one_line_and_frees_its_checkpo
     interrupted(err, signal.Signals(signum).name, ckpt)
     assert not (tmp_path / ".m.npz.lock").exists()
     assert records.load_checkpoint(str(ckpt), SHAPES, records.TRAINING_STATE)[2]["epoch"] >= 1
+
+
+def test_a_run_started_under_nohup_outlives_its_terminal(no_leftovers):
+    """nohup starts a command with SIGHUP ignored: the launcher keeps it so
+    (it set its own handler, and a closed terminal ended the run, exit 129),
+    and the run trains on to its end."""
+    from conftest import STARTED
+    proc = subprocess.Popen(["nohup", sys.executable, str(ROOT / "dual_mlp.py"), "cpu", "cpu",
+                             "--epochs", 4], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=environment(),
+                            start_new_session=True)
+    STARTED.append(proc)
+    LAUNCHERS.add(proc.pid)  # nohup becomes the launcher
+    wait_until_training(proc)
+    proc.send_signal(signal.SIGHUP)
+    code, _, err = finish(proc, timeout=120)
+    assert code == 0, err
 
 
 def test_what_sits_where_a_lock_goes_is_never_truncated_or_deleted(tmp_path):

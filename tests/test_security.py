@@ -159,19 +159,25 @@ def test_a_weak_secret_is_one_line(no_leftovers):
 def test_a_secret_file_that_is_no_secret_is_refused_in_one_line(tmp_path, capsys):
     """A folder, bytes that are not text, an empty file (node 0 would make
     its own secret, and the nodes given the file be refused), the file
-    named as --trace too (the trace would overwrite the secret)."""
+    named as --trace too (the trace would overwrite the secret), one longer
+    than a secret (it was cut to 4096 bytes without a word, and the nodes
+    given it whole refused), a link to the secret (refused as a link)."""
     (tmp_path / "folder").mkdir(mode=0o700)
-    for name, content in (("binary", b"\xff\xfe" * 20), ("empty", b""), ("sec.json", SECRET)):
+    for name, content in (("binary", b"\xff\xfe" * 20), ("empty", b""), ("sec.json", SECRET),
+                          ("long", "x" * 5000)):
         (tmp_path / name).write_bytes(content if isinstance(content, bytes) else
                                       content.encode())
         (tmp_path / name).chmod(0o600)
+    (tmp_path / "link").symlink_to(tmp_path / "sec.json")
     node0 = ("cpu", "--nodes", 2, "--coordinator", f"127.0.0.1:{free_port()}")
     for args, words in (
             (("--secret-file", tmp_path / "folder"), "must be a regular file of yours"),
             (("--secret-file", tmp_path / "binary"), "does not hold text"),
             (("--secret-file", tmp_path / "empty"), "is empty: put the run's secret in it"),
             (("--secret-file", tmp_path / "sec.json", "--trace", tmp_path / "sec.json"),
-             "--trace " + str(tmp_path / "sec.json") + " is --secret-file's file")):
+             "--trace " + str(tmp_path / "sec.json") + " is --secret-file's file"),
+            (("--secret-file", tmp_path / "long"), "holds more than 4096 bytes"),
+            (("--secret-file", tmp_path / "link"), "a symbolic link: name the file itself")):
         out = refused(capsys, *node0, *args)
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, \
             (args, out.stderr)
