@@ -9,8 +9,10 @@ bridge, each its own address) each run README.md's command for one node
 twice.  The first run trains two epochs with ``--check``: every node's exit
 code and last line, the seconds from the start to node 0's first step, its
 step, and the replicas' largest difference.  The second is struck once node
-0 has trained its first epoch: the middle host's cable is cut, and for every
-node, the seconds until it ended, its exit code and its last line.
+0's workers train (its first step under way, every node's with it, an epoch
+being 15 s of sixteen workers on two cores): the middle host's cable is cut,
+and for every node, the seconds until it ended, its exit code and its last
+line.
 Writes ``many_hosts.json`` into ``--out`` (default: ``out/``).
 """
 import os
@@ -68,13 +70,13 @@ def whole_run(hosts, folder):
 
 
 def cut_run(hosts, folder):
-    """The middle host's cable cut after node 0's first epoch: when, and how,
-    every other node ended, and the node cut off."""
+    """The middle host's cable cut once node 0's workers train: when, and
+    how, every other node ended, and the node cut off."""
     victim = len(hosts) // 2
     nodes = start_nodes(hosts, folder, "--epochs", "1000")
     try:
         for line in nodes[0].stdout:
-            if line.startswith("epoch 1/"):
+            if line.startswith("... training"):
                 break
         hosts[victim].cut()
         struck, took, ends = time.monotonic(), {}, {}

@@ -134,7 +134,7 @@ class Lobby(Heartbeats):
             self.refusals.add(said)
             rank = visitor.get("node_rank") if isinstance(visitor, dict) else None
             who = f"node {rank}" if type(rank) is int else "a node"
-            cli.say(f"node 0: refused {who} at {address}: {why}", file=sys.stderr)
+            cli.say(f"node 0: refused {who} at {address}: {why}")
 
     def drop_lost(self, rank):
         """Forget the lost member of ``rank``, if any (it came back)."""
@@ -189,7 +189,7 @@ class Lobby(Heartbeats):
             self.waited = time.monotonic()
             left = max(0, until - time.monotonic())
             cli.say(f"node 0: waiting for {never.split(' never ')[0]} to join at "
-                    f"{self.address} ({left:.0f} s more; see --timeout)", file=sys.stderr)
+                    f"{self.address} ({left:.0f} s more; see --timeout)")
 
     def kept_by_others(self):
         """What the other nodes kept of the run that was this node 0's before

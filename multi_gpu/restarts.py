@@ -81,6 +81,8 @@ def node0_again(args, shapes, link, why, lost, code):
     if generation > args.max_restarts:
         raise RunEnds(why if not kept else f"{why}, but the run has restarted "
                       f"{kept['generation']} times already (--max-restarts {args.max_restarts})")
+    if not (lost or link.present()):  # a worker broke as a node went: the node's word
+        why, lost = link.verdict() or why, True
     if lost or kept:
         wait_for_the_others(args, link, why, lost)
         kept = link.kept_by_others()
@@ -137,14 +139,18 @@ def adopt(args, shapes, link, kept):
 
 
 def member_again(args, shapes, link, why, lost, code):
-    """Node R > 0, its workers stopped: node 0 decides.  Where node 0 was
-    lost, knock again at its address until it is back (--rejoin-timeout).
-    (generation, why, from where in words, None)."""
+    """Node R > 0, its workers stopped: node 0 decides.  Where node 0 is
+    lost (now, or while this node waits for its word), knock again at its
+    address until it is back (--rejoin-timeout).  (generation, why, from
+    where in words, None)."""
     if not link.ordered():
         link.tell("failed", why)  # node 0 decides whether the run starts again
     if code == 2 or link.generation >= args.max_restarts:
         raise RunEnds(why)
-    if lost and link.node0.lost():
+    if not (lost or link.node0.lost()):
+        link.await_order()
+    if not link.ordered() and link.node0.lost():
+        why = why if lost else link.verdict()
         cli.say(f"{why}: waiting up to {args.rejoin_timeout:g} s for node 0 to come back at "
                 f"{args.coordinator} (its command again, there or on a replacement machine "
                 "at that address, with the run's secret)", file=sys.stderr)
@@ -155,8 +161,6 @@ def member_again(args, shapes, link, why, lost, code):
                           "(--rejoin-timeout)") from None
         except UsageError as e:
             raise RunEnds(f"{why}; {e}") from None
-    elif lost:
-        raise RunEnds(why)
     return rejoined(args, shapes, link, why)
 
 

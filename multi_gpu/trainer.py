@@ -29,15 +29,17 @@ import collections
 import functools
 import operator
 import os
+import sys
 import time
 
 import numpy as np
 import zmq
 
 from multi_gpu.devices import place
+from multi_gpu.nodes import LOST_AFTER  # a heartbeat still for that long: a worker gone
 from multi_gpu.trace import WAITING
-from multi_gpu.worker import (FAULT, Interrupted, Unwatched, fault_point, stop_point,
-                              stopped_workers, stopping)
+from multi_gpu.worker import (FAULT, Interrupted, Unwatched, fault_point, heartbeat_path,
+                              stop_point, stopped_workers, stopping)
 
 UNROLL = 5  # steps unrolled in a compiled call's loop: XLA runs a loop's body step by step
 AHEAD = 8   # calls the host may queue ahead of the device
@@ -81,9 +83,16 @@ class PeerError(Exception):
     """The other worker stalled, vanished or disagreed; one line of message."""
 
 
+STILL_STARTING_S = 1800  # how long the handshake waits for a worker still compiling
+
+
 class Peer:
     """The zmq links between the workers of one machine: a PAIR socket for
-    every pair, the lower rank binding, in the run's private directory."""
+    every pair, the lower rank binding, in the run's private directory.
+    A worker that has its links says so to the others (``meeting-RANK`` in
+    the run folder): one whose heartbeat goes on without it is still
+    compiling, which the handshake waits for past --timeout (a first Numba
+    compile on a busy machine takes minutes), up to ``STILL_STARTING_S``."""
 
     def __init__(self, rundir, rank, n_workers, timeout, stopping, spin=0.0):
         """
@@ -107,6 +116,9 @@ class Peer:
             address = "ipc://" + os.path.join(rundir, f"peer-{low}-{high}.sock")
             (socket.bind if rank == low else socket.connect)(address)
             self.sockets[other] = socket
+        with open(os.path.join(rundir, f"meeting-{rank}"), "x"):
+            pass
+        self.said_waiting = False
 
     def ready(self, other, event, what):
         """Wait, in slices, until the socket to ``other`` can send or receive
@@ -119,15 +131,36 @@ class Peer:
             while time.perf_counter() < spin_until:
                 if socket.poll(0, event):
                     return
-        deadline = time.monotonic() + self.timeout
+        started = time.monotonic()
         while not socket.poll(100, event):
             if self.stopping.is_set():
                 raise Interrupted
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - started
+            if waited > self.timeout and not (what == "the handshake" and
+                                              self.still_compiling(other, waited)):
                 # the one that stopped, rather than one that waits for it as we do
                 late = stopped_workers(self.rundir, self.n, self.rank) or [other]
                 raise PeerError(f"worker {late[0]} did not reach {what} within "
-                                f"{self.timeout:g} s (see --timeout)")
+                                f"{self.timeout if waited < STILL_STARTING_S else waited:g} s "
+                                "(see --timeout)")
+
+    def still_compiling(self, other, waited):
+        """Is worker ``other`` alive (its heartbeat, which a compile holding
+        Python's lock on a busy machine delays by seconds; none yet as it
+        starts), without its links yet, for less than ``STILL_STARTING_S``?
+        Worker 0 says once that it waits."""
+        try:
+            beat = time.time() - os.path.getmtime(heartbeat_path(self.rundir, other))
+        except OSError:  # not yet made: it is starting (its launcher stops us if it died)
+            beat = 0.0
+        starting = beat < LOST_AFTER and \
+            not os.path.exists(os.path.join(self.rundir, f"meeting-{other}"))
+        if starting and self.rank == 0 and not self.said_waiting:
+            self.said_waiting = True
+            print(f"worker 0: notice: worker {other} is still compiling after {waited:.0f} s: "
+                  f"the handshake waits for it (up to {STILL_STARTING_S // 60} min)",
+                  file=sys.stderr, flush=True)
+        return starting and waited < STILL_STARTING_S
 
     def exchange(self, obj, what="the handshake"):
         """Send ``obj`` to every other worker; returns every worker's, in rank

@@ -69,7 +69,8 @@ def stop_point(rank, where):
 
 FAULT = os.environ.get("DUAL_MLP_FAULT", "").split(":")  # read once: it is on every step's path
 FAULT_PLACES = ("compile", "start", "train", "exchange", "save", "spawned", "folder")
-FAULT_KINDS = ("raise", "oom", "kill", "hint", "stop")
+FAULT_KINDS = ("raise", "oom", "kill", "hint", "stop", "slow")
+SLOW_S = 15  # seconds a "slow" fault holds a worker: a compile on a busy machine
 
 
 def fault_spec_problem():
@@ -89,8 +90,12 @@ def fault_point(rank, where):
     fail on reaching WHERE (compile: before it opens its device, start,
     train, exchange, save: a checkpoint written but not yet in place) by HOW (raise, oom, kill,
     or hint: an error whose message ends in a hint line, as PyTensor's do),
-    or pause there (stop: SIGSTOP, until the test has acted and sends SIGCONT)."""
+    or pause there (stop: SIGSTOP, until the test has acted and sends SIGCONT;
+    slow: ``SLOW_S`` seconds, its heartbeat going on)."""
     if FAULT[:2] != [str(rank), where]:
+        return
+    if FAULT[2] == "slow":
+        time.sleep(SLOW_S)
         return
     if FAULT[2] == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)

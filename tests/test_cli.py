@@ -78,15 +78,20 @@ def fill(folder):
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint_and_prints_the_summary(tmp_path):
-    """The checks before training pass (an empty file fits); the writes later do not."""
+    """The checks before training pass (an empty file fits); the writes later
+    do not: the previous checkpoint is kept, the summary printed, and the run,
+    whose checkpoint is not of its last epoch, ends exit 1 saying which
+    epoch the file holds (it ended exit 0)."""
     disk = tmp_path / "small"
     with mounted_tmpfs(disk, "size=96k") as mounted:
         if not mounted:
             pytest.skip("needs root, to mount a small tmpfs")
         # --n-hidden 10: a 64 kB checkpoint; a second one does not fit beside the first
         out = dual("cpu", "cpu", "--n-hidden", 10, "--epochs", 3, "--save", disk / "m.npz")
-        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
-        assert out.stderr.count("could not write") == 2
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.count("could not write") == 2 and "Optimization complete" in out.stdout
+        assert f"{disk / 'm.npz'} holds epoch 1, not epoch 3, the last one trained (see the " \
+            "warnings above)" in out.stderr.strip().splitlines()[-1], out.stderr
         assert "(No space left on device): the previous one is kept" in out.stderr
         _, _, state = records.load_checkpoint(str(disk / "m.npz"),
                                               mlp.parameter_shapes(784, 10, 10),

@@ -336,3 +336,18 @@ def test_a_restart_past_the_trace_window_still_writes_the_trace(tmp_path, no_lef
     assert document["otherData"]["window"]["epoch"] == int(resumed[2])
     assert traced.with_suffix(".png").exists()
     assert_identical_checkpoints(ckpt, four_epochs(), records.TRAINING_STATE)
+
+
+def test_a_worker_still_compiling_past_the_timeout_is_waited_for(no_leftovers):
+    """A worker held back before it makes its links (``1:start:slow``: as a
+    first Numba compile on a busy machine, for longer than --timeout), its
+    heartbeat going on: the other waits for it at the handshake, worker 0
+    says so once, and the run ends exit 0 (it ended at the timeout, naming
+    a worker that had not stalled)."""
+    from multi_gpu.worker import SLOW_S
+    timeout = SLOW_S // 3
+    out = dual("cpu", "cpu", "--epochs", 1, "--timeout", timeout,
+               env={"DUAL_MLP_FAULT": "1:start:slow"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count(f"worker 0: notice: worker 1 is still compiling after {timeout} s: "
+                            "the handshake waits for it") == 1, out.stderr

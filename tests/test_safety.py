@@ -202,15 +202,17 @@ def test_a_node_given_another_option_is_refused_in_one_line(no_leftovers):
             f"dual_mlp.py: error: refused by node 0 at 127.0.0.1:{port}: node 0 runs other "
             f"options: {words}"]
     # its partner never came: node 0 says whom it refused and why, as it does, whom it
-    # waits for meanwhile, and, last, which node never came (not JAX's coordinator's socket)
+    # waits for meanwhile, and, in its one error line, which node never came (not JAX's
+    # coordinator's socket)
     code, _, err = finish(node0, timeout=60)
-    lines = err.strip().splitlines()
-    assert code == 1 and lines[-1] == f"error: node 1 never joined node 0 at 127.0.0.1:{port}", err
-    assert sorted(line for line in lines if line.startswith("node 0: refused ")) == sorted(
+    assert code == 1 and err.strip().splitlines() == [
+        f"error: node 1 never joined node 0 at 127.0.0.1:{port}"], err
+    said = node0.out.splitlines()
+    assert sorted(line for line in said if line.startswith("node 0: refused ")) == sorted(
         f"node 0: refused node 1 at 127.0.0.1: node 0 runs other options: {words}"
-        for _, words in refused_nodes), err
+        for _, words in refused_nodes), node0.out
     assert any(line.startswith(f"node 0: waiting for node 1 to join at 127.0.0.1:{port} (")
-               for line in lines), err
+               for line in said), node0.out
 
 
 def test_a_taken_port_is_one_line(no_leftovers):
@@ -401,7 +403,7 @@ def test_a_run_started_under_nohup_outlives_its_terminal(no_leftovers):
     and the run trains on to its end."""
     from conftest import STARTED
     proc = subprocess.Popen(["nohup", sys.executable, str(ROOT / "dual_mlp.py"), "cpu", "cpu",
-                             "--epochs", 4], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             "--epochs", "4"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=environment(),
                             start_new_session=True)
     STARTED.append(proc)
