@@ -1,7 +1,7 @@
 """Sixteen machines of one CPU worker each, for real: sixteen test hosts
 (network namespaces on one bridge, an address and interface each), each
 running README.md's command for its node.  Two runs, made once
-(``bench.many_hosts.measure``): two epochs with ``--check``, and one whose
+(``bench.many_hosts.measure``): an epoch with ``--check``, and one whose
 middle host's cable is cut as node 0's workers train."""
 import pytest
 
