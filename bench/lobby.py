@@ -40,7 +40,7 @@ class Members:
 
     def __init__(self, address, secret, ranks):
         self.address, self.keys, self.context = address, curve_keys(secret), zmq.Context()
-        self.sockets, self.poller = {}, zmq.Poller()
+        self.sockets, self.ranks, self.poller = {}, {}, zmq.Poller()  # rank <-> its socket
         self.waiting, self.knocked, self.refused = set(), {}, []
         for rank in ranks:
             self.knock(rank)
@@ -54,13 +54,15 @@ class Members:
         member.setsockopt(zmq.LINGER, 0)
         member.connect(f"tcp://{self.address}")
         member.send_multipart([b"", hello(rank, OPTIONS)])
-        self.sockets[rank], self.knocked[rank] = member, time.monotonic()
+        self.sockets[rank], self.ranks[member], self.knocked[rank] = member, rank, \
+            time.monotonic()
         self.poller.register(member, zmq.POLLIN)
         self.waiting.add(rank)
 
     def silence(self, rank):
         """Node ``rank`` falls silent: its connection closed without a word."""
         self.poller.unregister(self.sockets[rank])
+        del self.ranks[self.sockets[rank]]
         self.sockets.pop(rank).close()
 
     def read(self, ms):
@@ -69,7 +71,7 @@ class Members:
         answered = []
         for member, _ in self.poller.poll(ms):
             message = member.recv_multipart()[-1]
-            rank = next(r for r, m in self.sockets.items() if m is member)
+            rank = self.ranks[member]
             if rank in self.waiting:
                 self.waiting.discard(rank)
                 self.refused += [rank] if json.loads(message)["why"] else []

@@ -110,18 +110,17 @@ class Lobby(Heartbeats):
         if identity in self.members:  # a member's heartbeat
             self.members[identity][1].heard_from(message["beat"])
             return
-        why = self.judge(message)
+        why, address = self.judge(message), frames[-1].get("Peer-Address") or "address unknown"
         if why:
-            self.say_refused(frames[-1].get("Peer-Address") or "address unknown", message, why)
+            self.say_refused(address, message, why)
             return self.answer(frames, {"why": why})
         rank, kept = message["node_rank"], message.get("kept")
-        address = frames[-1].get("Peer-Address") or "address unknown"
         back = self.drop_lost(rank) or bool(kept)
         with self.lock:
             self.members[identity] = (rank, Standing(f"node {rank} ({address})", self.generation))
             self.identities[rank] = identity
             if kept and kept.get("run") != self.run:
-                self.kept[rank] = dict(kept, who=f"node {rank} ({address})")
+                self.kept[rank] = dict(kept, rank=rank, who=f"node {rank} ({address})")
             # back: it waits for the order to start again, or takes the one given
             self.answer(frames, {"why": None, "jax_coordinator": self.jax_coordinator,
                                  "run": self.run, "back": back,
@@ -167,29 +166,32 @@ class Lobby(Heartbeats):
 
     def present(self):
         """Has every node of the run a member here that stands?"""
-        standing = {rank for rank, s in list(self.members.values()) if not s.gone()}
-        return standing >= set(range(1, self.nodes))
+        return not self.missing()
 
     def missing(self):
         """The ranks of the nodes with no member here that stands, in words."""
         standing = {rank for rank, s in list(self.members.values()) if not s.gone()}
         return [f"node {r}" for r in range(1, self.nodes) if r not in standing]
 
+    def unjoined(self):
+        """The nodes that never joined, in words."""
+        return " and ".join(f"node {r}" for r in range(1, self.nodes) if r not in self.identities)
+
     def never_joined(self):
-        """The nodes that never joined, in words (None: every one did)."""
-        never = [f"node {r}" for r in range(1, self.nodes) if r not in self.identities]
-        return never and f"{' and '.join(never)} never joined node 0 at {self.address}"
+        """Which nodes never joined, in a sentence (None: every one did)."""
+        never = self.unjoined()
+        return never and f"{never} never joined node 0 at {self.address}"
 
     def say_who_is_missing(self, until, timeout):
         """Now and then while a node has not joined (every ``WAITING_SAID_S``
         s, or twice within a ``timeout`` shorter): which, and how long the
         workers wait for it still (until ``until``, monotonic)."""
-        never = self.never_joined()
+        never = self.unjoined()
         if never and time.monotonic() - self.waited > min(WAITING_SAID_S, timeout / 2):
             self.waited = time.monotonic()
             left = max(0, until - time.monotonic())
-            cli.say(f"node 0: waiting for {never.split(' never ')[0]} to join at "
-                    f"{self.address} ({left:.0f} s more; see --timeout)")
+            cli.say(f"node 0: waiting for {never} to join at {self.address} ({left:.0f} s more; "
+                    "see --timeout)")
 
     def kept_by_others(self):
         """What the other nodes kept of the run that was this node 0's before

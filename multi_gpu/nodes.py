@@ -183,7 +183,27 @@ class Standing:
         return None
 
 
-class Alone:
+class NotNode0:
+    """What only node 0's lobby does (``lobby.Lobby``), as nothing, for the
+    links that are not it: a run of one node, node 0's members."""
+
+    def kept_by_others(self):
+        return None
+
+    def share_saved(self, path):
+        pass
+
+    def never_joined(self):
+        return None
+
+    def say_who_is_missing(self, until, timeout):
+        pass
+
+    def present(self):
+        return True
+
+
+class Alone(NotNode0):
     """A run of one node: nobody else to hear from."""
 
     others, generation = False, 0
@@ -203,23 +223,8 @@ class Alone:
     def restart(self, generation):
         self.generation = generation
 
-    def kept_by_others(self):
-        return None
 
-    def share_saved(self, path):
-        pass
-
-    def never_joined(self):
-        return None
-
-    def say_who_is_missing(self, until, timeout):
-        pass
-
-    def present(self):
-        return True
-
-
-class Heartbeats:
+class Heartbeats(NotNode0):
     """What node 0 and its members share: this node's own standing, sent
     every ``BEAT_S`` seconds (and at once when it changes) by a thread that
     owns the zmq socket; the others' standings, each a ``Standing``; and
@@ -261,20 +266,6 @@ class Heartbeats:
         start (a dict: ``Lobby.order_restart``); None."""
         order = self.order
         return order if order and order["generation"] > self.generation else None
-
-    def kept_by_others(self):
-        """(node 0's: ``Lobby``)"""
-        return None
-
-    def never_joined(self):
-        """(node 0's: ``Lobby``)"""
-        return None
-
-    def say_who_is_missing(self, until, timeout):
-        """(node 0's: ``Lobby``)"""
-
-    def share_saved(self, path):
-        """(node 0's: ``Lobby``)"""
 
     def _serve(self):
         next_beat = 0.0

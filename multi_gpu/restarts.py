@@ -127,7 +127,7 @@ def adopt(args, shapes, link, kept):
     if not raw:
         args.resume, args.resume_epoch = None, 0
         return resumed_at(args)
-    args.resume = f"{kept['who'].split(' (')[0]}'s copy of the run's checkpoint"
+    args.resume = f"node {kept['rank']}'s copy of the run's checkpoint"
     try:
         run, epoch = records.written_by(args.resume, shapes, raw)
         if (run, epoch) != (kept["run"], kept.get("epoch")):
