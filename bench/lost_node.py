@@ -106,7 +106,8 @@ def come_back(victim, nodes, hosts, again, checkpoint=None, after=10.0):
 
 def node0_lost(fault, node0, node1, hosts):
     """Once node 0 has trained two epochs, ``NODE0_FAULTS[fault]`` strikes
-    it: (seconds from then to node 1's end, node 0's last epoch)."""
+    it: (seconds from then to node 1's end, the epoch node 0 was read to
+    have trained: its second; on a busy machine its pipe may hold later ones)."""
     epoch = 0
     for line in node0.stdout:
         if line.startswith("epoch "):
