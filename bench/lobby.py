@@ -3,13 +3,14 @@
     python -m bench.lobby [--members 64 256 1024] [--out DIR]
 
 Node 0's lobby (``multi_gpu.lobby.Lobby``, the one the launcher opens) in
-this process, and for each figure of ``--members``, that many members in
-processes of their own that speak the members' protocol with no JAX worker
-behind it: each its own zmq connection, its own CURVE handshake with the
-run's key, its own hello (``lobby.hello``) and its own heartbeat twice a
-second (``nodes.beat``).  Measured for each: the seconds until node 0 has
-let every member in; node 0's CPU (this process's, a share of one core)
-while every member beats; the seconds until node 0 names one member that
+this process, its door (``multi_gpu.door``) in one of its own, and for each
+figure of ``--members``, that many members in processes of their own that
+speak the members' protocol with no JAX worker behind it: each its own zmq
+connection, its own CURVE handshake with the run's key, its own hello
+(``lobby.hello``) and its own heartbeat twice a second (``nodes.beat``).
+Measured for each: the seconds until node 0 has let every member in; node
+0's CPU (the lobby's and its door's, a share of one core) while every
+member beats; the seconds until node 0 names one member that
 falls silent (a node is lost after ``nodes.LOST_AFTER`` s); and the
 seconds from that member's knock, as it comes back, to node 0's answer.
 Writes ``lobby.json`` into ``--out`` (default: ``out/``).
@@ -118,9 +119,10 @@ def measure(n, cpu_seconds=10.0):
     secret, address = secrets.token_urlsafe(24), f"127.0.0.1:{free_port()}"
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * n + 256)), hard))
-    spawn, node0 = multiprocessing.get_context("spawn"), psutil.Process()
+    spawn = multiprocessing.get_context("spawn")
     with Lobby(address, lambda options: None if options == OPTIONS else "other options", n + 1,
                secret, None, run="the lobby benchmark's", returns=True, shapes=[(1,)]) as lobby:
+        node0 = (psutil.Process(), psutil.Process(lobby.door.pid))  # the lobby and its door
         ranks = list(range(1, n + 1))
         shares = [ranks[i:i + MEMBERS_A_PROCESS] for i in range(0, n, MEMBERS_A_PROCESS)]
         pipes = [spawn.Pipe() for _ in shares]
@@ -137,9 +139,9 @@ def measure(n, cpu_seconds=10.0):
             raise RuntimeError(f"{n} members were not all let in within 120 s: "
                                f"{len(lobby.missing())} missing")
         let_in = time.monotonic() - started
-        before, cpu_started = node0.cpu_times(), time.monotonic()
+        before, cpu_started = cpu_of(node0), time.monotonic()
         time.sleep(cpu_seconds)
-        after, cpu_took = node0.cpu_times(), time.monotonic() - cpu_started
+        after, cpu_took = cpu_of(node0), time.monotonic() - cpu_started
         false_losses = lobby.verdict()
         victim = ranks[len(ranks) // 2]
         ours = pipes[shares.index(next(s for s in shares if victim in s))][0]
@@ -155,11 +157,16 @@ def measure(n, cpu_seconds=10.0):
         refused = sum(len(mine.recv()[1]) for mine, _ in pipes if mine.poll(30))
         for process in processes:
             process.join(10)
-    cpu = (after.user + after.system - before.user - before.system) / cpu_took
+    cpu = (after - before) / cpu_took
     return dict(members=n, processes=len(processes), let_in_s=let_in, refused=refused,
                 node0_cpu_share=cpu, beats_per_s=n / BEAT_S, false_losses=false_losses,
                 lost_named_after_s=named_after if named else None, lost_named_as=named_as,
                 lost_after_s=LOST_AFTER, back_answered_after_s=answered, back_in=back)
+
+
+def cpu_of(processes):
+    """The CPU seconds these processes took so far, together."""
+    return sum(t.user + t.system for t in (p.cpu_times() for p in processes))
 
 
 def until(test, timeout):
@@ -173,7 +180,7 @@ def until(test, timeout):
 
 
 def table(document):
-    lines = [f"{measured_by(document)}: node 0's lobby in one process, its members simulated "
+    lines = [f"{measured_by(document)}: node 0's lobby and its door, its members simulated "
              f"in others ({MEMBERS_A_PROCESS} a process, each its own connection, CURVE "
              "handshake and heartbeat twice a second), on one machine.", "",
              "| members | all let in | node 0's CPU, all beating | a silent member named "

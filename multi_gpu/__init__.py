@@ -12,7 +12,10 @@
 ``xla_cache``        XLA's persistent cache of compiled programs
 ``request``          the launcher's checks of the request, and the run it prepares
 ``launcher``         the launcher's side: forks and supervises (and restarts) the workers
-``nodes``            several machines: the run's secret, node 0's lobby, the nodes' heartbeats
+``nodes``            several machines: the run's secret, the nodes' heartbeats
+``lobby``            node 0's lobby: who joins, who comes back, what each node keeps
+``door``             the lobby's public socket, in a process of its own
+``restarts``         --max-restarts: where the run starts again, a lost node waited for
 ``worker``           the worker's side: stop signals, orphans, the watchdog
 ``report``           worker 0's words: the summary, a run that diverged
 ``records``          what a run leaves: checkpoints, the learning curve, the JSON summary

@@ -14,12 +14,13 @@ give it to node 0 started again.
 import base64
 import json
 import os
+import subprocess
 import sys
 import time
 
 import zmq
 
-from multi_gpu import cli, records
+from multi_gpu import cli, door, files, records
 from multi_gpu.cli import UsageError
 from multi_gpu.nodes import (LOST_AFTER, SECRET_VARIABLE, Alone, Heartbeats, Standing,
                              check_port, curve_keys, host_and_port, run_secret)
@@ -28,7 +29,6 @@ from multi_gpu.nodes import (LOST_AFTER, SECRET_VARIABLE, Alone, Heartbeats, Sta
 # bytes: a node's options fit many times over; one that comes back to a run adds the run's
 # checkpoint, in base64
 LOBBY_MESSAGE_LIMIT = 1 << 16
-HANDSHAKE_MS = 5000            # a connection that has not proved itself by then is dropped
 WAITING_SAID_S = 15            # node 0 says whom it waits for this often
 
 
@@ -37,16 +37,6 @@ def hello(node_rank, options, kept=None):
     where it comes back to a run that went on without node 0, what it kept
     of the run (``Member.kept``)."""
     return json.dumps(dict(node_rank=node_rank, options=options, kept=kept)).encode()
-
-
-class OnlyTheRun:
-    """The lobby's ZAP policy: a client is let in only with the run's key."""
-
-    def __init__(self, public):
-        self.public = public
-
-    def callback(self, domain, key):
-        return key == self.public
 
 
 class Lobby(Heartbeats):
@@ -63,6 +53,9 @@ class Lobby(Heartbeats):
     folder where every node is on this machine), and the run's name.
     Messages are bounded, a connection that does not finish its handshake
     within seconds is dropped, and the door stays open for the run's nodes.
+    The socket itself is in a process of its own (``door``), so that no
+    number of a stranger's connections takes a descriptor of the launcher's;
+    what comes through, the door passes on to the lobby.
     A node let in is a member from then on: the lobby hears its heartbeats
     and sends it node 0's (``Heartbeats``), and, at each save, node 0's
     checkpoint, which every member keeps.
@@ -74,7 +67,6 @@ class Lobby(Heartbeats):
     node 0 started again) is heard: ``kept_by_others``."""
 
     def __init__(self, address, judge, nodes, secret, jax_coordinator, *, run, returns, shapes):
-        import zmq.auth.thread
         self.address, self.judge_options, self.nodes, self.run = address, judge, nodes, run
         self.jax_coordinator, self.returns, self.members = jax_coordinator, returns, {}
         self.identities = {}  # rank -> its member's zmq identity: members by rank, at once
@@ -82,22 +74,48 @@ class Lobby(Heartbeats):
         self.shapes = shapes  # the model's: the checkpoints of this run are of it
         self.kept, self.last_order, self.saved = {}, None, None  # rank -> what it kept
         check_port(address)
-        public, private = curve_keys(secret)
+        self.door, inner = self.open_door(secret)
         context = zmq.Context()
-        self.auth = zmq.auth.thread.ThreadAuthenticator(context)
-        self.auth.start()
-        self.auth.configure_curve_callback("*", OnlyTheRun(public))
-        lobby = context.socket(zmq.ROUTER)
-        lobby.curve_secretkey, lobby.curve_publickey = private, public
-        lobby.curve_server = True
-        limit = LOBBY_MESSAGE_LIMIT + 2 * records.checkpoint_bytes(shapes, itemsize=8)
-        # every node may knock at once: past zmq's backlog of 100 the kernel drops their
-        # SYNs, which come again 1 s, 3 s, 7 s later (1024 nodes: all in after 2.8 s, not 0.9)
-        for option, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, limit),
-                              (zmq.HANDSHAKE_IVL, HANDSHAKE_MS), (zmq.BACKLOG, max(100, nodes))):
-            lobby.setsockopt(option, value)
-        lobby.bind(f"tcp://{address}")
+        lobby = context.socket(zmq.PAIR)
+        for option in (zmq.SNDHWM, zmq.RCVHWM):  # neither side waits on the other
+            lobby.setsockopt(option, 0)
+        lobby.connect(f"ipc://{inner}")
         self.start_beating(context, lobby)
+
+    def open_door(self, secret):
+        """Start the door (``door.py``) at this lobby's address: (the door's
+        process, the socket in a private folder of its own where it passes
+        on what comes through)."""
+        public, private = curve_keys(secret)
+        limit = LOBBY_MESSAGE_LIMIT + 2 * records.checkpoint_bytes(self.shapes, itemsize=8)
+        settings = dict(address=self.address, public=public.decode(), private=private.decode(),
+                        message_limit=limit, nodes=self.nodes)
+        # a session of its own: a terminal's Ctrl-C is the launcher's, which closes the door
+        opened = subprocess.Popen([sys.executable, door.__file__], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, start_new_session=True)
+        with opened.stdout:
+            try:
+                opened.stdin.write(json.dumps(settings).encode() + b"\n")
+                opened.stdin.flush()
+                answer = json.loads(opened.stdout.readline() or '{"error": "it ended"}')
+            except (OSError, ValueError) as e:
+                answer = {"error": str(e)}
+        if answer["error"]:
+            self.close_door(opened)
+            raise UsageError(f"cannot listen on {self.address} ({answer['error'].lower()}): "
+                             "see --coordinator")
+        files.check_folder(os.path.dirname(answer["lobby"]))
+        return opened, answer["lobby"]
+
+    @staticmethod
+    def close_door(opened):
+        """The door ends as its input closes; it is killed if it does not."""
+        opened.stdin.close()
+        try:
+            opened.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            opened.kill()
+            opened.wait()
 
     def standings(self):
         return [standing for _, standing in list(self.members.values())]
@@ -110,7 +128,7 @@ class Lobby(Heartbeats):
         if identity in self.members:  # a member's heartbeat
             self.members[identity][1].heard_from(message["beat"])
             return
-        why, address = self.judge(message), frames[-1].get("Peer-Address") or "address unknown"
+        why, address = self.judge(message), frames[1].bytes.decode()  # as the door saw it
         if why:
             self.say_refused(address, message, why)
             return self.answer(frames, {"why": why})
@@ -247,8 +265,8 @@ class Lobby(Heartbeats):
 
     def __exit__(self, *exc):
         self.stop_beating()
-        self.auth.stop()
-        self.context.term()
+        self.context.term()  # its last words gone through to the door,
+        self.close_door(self.door)  # and on from there
 
 
 class NoAnswer(Exception):

@@ -126,8 +126,9 @@ def test_a_launcher_killed_while_worker_0_writes_leaves_no_temporary(tmp_path):
     orphaned, and removes its half-done temporary and the run folder."""
     proc, worker0 = held_mid_write(tmp_path / "ck.npz")
     proc.kill()
-    proc.communicate()
+    proc.wait()  # not its output: worker 0, held still, writes to it still
     worker0.send_signal(signal.SIGCONT)
+    proc.communicate(timeout=60)
     wait_for(lambda: not leftover_workers(), 15, "the orphaned workers to exit")
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
     assert not set_of_runs_of(proc.pid)

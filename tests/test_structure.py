@@ -54,6 +54,13 @@ def test_the_package_never_imports_a_script_and_its_imports_have_no_cycle():
         visit(module)
 
 
+def test_the_door_imports_zmq_alone():
+    """Node 0's door (``multi_gpu.door``) starts as a script in a process of
+    its own: nothing of the package, nothing that needs PyTensor's flags."""
+    assert imported(ROOT / "multi_gpu" / "door.py") == {
+        "json", "os", "shutil", "sys", "tempfile", "zmq", "zmq.auth.thread"}
+
+
 def test_the_tutorial_scripts_take_one_line_from_the_package():
     for script in ("mlp.py", "logistic_sgd.py"):
         tree = ast.parse((ROOT / script).read_text())
@@ -67,7 +74,10 @@ def test_the_tutorial_scripts_take_one_line_from_the_package():
                           "logistic_sgd", "mlp"}, (script, others)
 
 
-@pytest.mark.parametrize("module", [f"multi_gpu.{m}" for m in PACKAGE] + list(SCRIPTS))
+# node 0's door is a script of its own, run by path, which imports zmq and no PyTensor
+# (test_the_door_imports_zmq_alone): it needs no flags
+@pytest.mark.parametrize("module", [f"multi_gpu.{m}" for m in PACKAGE if m != "door"]
+                         + list(SCRIPTS))
 def test_theano_flags_reach_pytensor_whichever_module_is_imported_first(module):
     """A fresh process imports ``module`` first, then PyTensor: Theano's mode
     name and floatX have become PyTensor's."""

@@ -4,6 +4,7 @@ connections), then the run itself.  One run serves every test here: each
 looks at what the module's fixture saw at its own stage."""
 import json
 import os
+import resource
 import socket
 import time
 
@@ -67,10 +68,26 @@ def answers_to_odd_messages(port, secret):
         context.destroy()
 
 
+DESCRIPTORS = 1024  # node 0's, as `ulimit -n 1024` sets them
+FLOOD = DESCRIPTORS - 6  # a stranger's connections: all but what a process starts with
+
+
+def door_of(launcher):
+    """Node 0's door: the process of its launcher's that listens (``multi_gpu.door``)."""
+    return next(p for p in launcher.children() if "door.py" in " ".join(p.cmdline()))
+
+
+def flood(port):
+    """A stranger's FLOOD connections to node 0's lobby, at once: [them]."""
+    return [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(FLOOD)]
+
+
 def swell(launcher, port):
     """1100 connections that never speak, and 200 MB sent by a stranger:
-    (the open connections, node 0's launcher's growth in bytes)."""
-    size = launcher.memory_info().rss
+    (the open connections, node 0's growth in bytes: its launcher's and
+    its door's)."""
+    door = door_of(launcher)
+    size = launcher.memory_info().rss + door.memory_info().rss
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(1100)]
     with socket.create_connection(("127.0.0.1", port)) as big:
         big.settimeout(20)
@@ -81,14 +98,16 @@ def swell(launcher, port):
         except OSError:
             pass  # dropped by node 0: as it should
     time.sleep(1)
-    return idle, launcher.memory_info().rss - size
+    return idle, launcher.memory_info().rss + door.memory_info().rss - size
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    """The run's node 0 makes the run's secret and prints it; its lobby then
-    meets, in turn, strangers, a node's odd messages, nodes with another
-    secret or none, idle connections and a huge message; then node 1 joins,
+    """The run's node 0, at `ulimit -n 1024`, makes the run's secret and
+    prints it; at once a stranger opens FLOOD connections to its lobby,
+    before node 0 has imported JAX; its lobby then meets, in turn,
+    strangers, a node's odd messages, nodes with another secret or none,
+    idle connections and a huge message; then node 1 joins,
     given the printed secret, while the idle connections are still open, and
     both train two epochs with --check, --json and --trace.  What was seen
     at each stage, for the tests below (made once: ``made_once``)."""
@@ -102,14 +121,15 @@ def meet_and_train(folder):
             "--trace-steps", 4)  # every node runs the same options
     node0 = start_node(port, 0, *same, "--json", folder / "run.json", devices=TWO,
                        env={"DUAL_MLP_SECRET": ""})
+    resource.prlimit(node0.pid, resource.RLIMIT_NOFILE, (DESCRIPTORS, DESCRIPTORS))
     seen, before, idle = {"port": port}, run_directories(), []
     try:
         line = wait_for(lambda: next((line for line in iter(node0.stdout.readline, "")
                                       if "the run's secret" in line), None), 60, "the secret")
+        idle = flood(port)
+        seen["flood"] = len(idle)
         seen["secret"] = secret = line.split("DUAL_MLP_SECRET=")[1].split()[0]
         launcher = psutil.Process(node0.pid)
-        wait_for(lambda: any(c.laddr.port == port for c in launcher.net_connections("tcp")
-                             if c.status == psutil.CONN_LISTEN), 60, "the lobby to listen")
         seen["answered_strangers"] = answered_strangers(port)
         seen["answers"] = answers_to_odd_messages(port, secret)
         seen["refused"] = []
@@ -119,6 +139,8 @@ def meet_and_train(folder):
         unchecked = [a for a in same if a != "--check"]  # node 0 only: both would wait for ever
         seen["refused"].append(finish(start_node(port, 1, *unchecked, devices=TWO,
                                                  env={"DUAL_MLP_SECRET": secret}), timeout=60))
+        for s in idle:
+            s.close()
         idle, seen["growth"] = swell(launcher, port)
         node1 = start_node(port, 1, *same, devices=TWO, env={"DUAL_MLP_SECRET": secret})
         worker0 = wait_for(lambda: workers_of(node0), 60, "node 0's workers")[0]
@@ -176,9 +198,18 @@ def test_the_lobby_answers_any_message_and_lets_the_real_node_in(two_nodes):
 def test_idle_strangers_and_a_huge_message_neither_keep_the_node_out_nor_swell_node_0(
         two_nodes):
     """1100 connections that never speak, and 200 MB sent by a stranger:
-    node 0's launcher stays within 100 MB of its size, and the run's node 1
-    joins while the connections are still open."""
+    node 0 stays within 100 MB of its size, and the run's node 1 joins
+    while the connections are still open."""
     assert two_nodes["growth"] < 100 << 20
+    trained(two_nodes)
+
+
+def test_a_strangers_flood_as_the_secret_is_printed_leaves_node_0_its_descriptors(two_nodes):
+    """Node 0 at `ulimit -n 1024`; the moment it prints the secret, before
+    it has imported JAX, a stranger opens all but six of 1024 connections
+    to its lobby: they fill its door's descriptors, not the launcher's,
+    which goes on, and both nodes train and end exit 0."""
+    assert two_nodes["flood"] == FLOOD
     trained(two_nodes)
 
 

@@ -1,0 +1,124 @@
+"""Node 0's door: the lobby's public socket, in a process of its own.
+
+Anyone who can reach ``--coordinator`` may open connections to it, as many
+as they like, and each takes a descriptor of the process that listens until
+zmq drops it (a handshake not finished within ``HANDSHAKE_MS``).  Were that
+process the launcher, a stranger's thousand connections would leave it no
+descriptor of its own: no library to import, no pipe to a worker, no
+checkpoint to write.  So the lobby's socket lives here, in a process whose
+descriptors are its alone: a flood fills this table (the kernel holds the
+connections past it until zmq drops the first ones), and the launcher never
+notices.  What passes ZeroMQ's CURVE handshake with the run's key goes on
+to the lobby (``lobby.Lobby``), on a zmq socket in a private folder the
+door makes (``mkdtemp``: exclusively, mode 0700) and removes as it ends,
+with the address it came from; what the lobby sends goes out.
+
+The lobby runs this file as a script, ``python door.py``: it imports zmq
+alone, reads its settings as one JSON line on its standard input, answers
+one JSON line on its standard output once it listens (where the lobby
+finds it, or why it cannot listen), and ends when its standard input
+closes: the launcher ended, however it ended.
+"""
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import zmq
+import zmq.auth.thread
+
+HANDSHAKE_MS = 5000  # a connection that has not proved itself by then is dropped
+
+
+class OnlyTheRun:
+    """The door's ZAP policy: a client is let in only with the run's key."""
+
+    def __init__(self, public):
+        self.public = public
+
+    def callback(self, domain, key):
+        return key == self.public
+
+
+def open_door(context, settings):
+    """The public ROUTER socket at ``settings["address"]``, under CURVE with
+    the run's key pair: a stranger's handshake fails before a byte of a
+    message is read.  Messages are bounded, and every node may knock at
+    once: past zmq's backlog of 100 the kernel drops their SYNs, which come
+    again 1 s, 3 s, 7 s later (1024 nodes: all in after 2.8 s, not 0.9)."""
+    public, private = settings["public"].encode(), settings["private"].encode()
+    door = context.socket(zmq.ROUTER)
+    door.curve_secretkey, door.curve_publickey, door.curve_server = private, public, True
+    for option, value in ((zmq.LINGER, 1000), (zmq.MAXMSGSIZE, settings["message_limit"]),
+                          (zmq.HANDSHAKE_IVL, HANDSHAKE_MS),
+                          (zmq.BACKLOG, max(100, settings["nodes"]))):
+        door.setsockopt(option, value)
+    door.bind(f"tcp://{settings['address']}")
+    return door
+
+
+def relay(door, lobby, launcher):
+    """Pass messages both ways until the launcher's pipe closes: a member's
+    as [its identity, the address it came from, the message], the lobby's
+    as it sends them (identity first).  Neither side's queue is bounded, so
+    that neither waits on the other."""
+    poller = zmq.Poller()
+    for socket in (door, lobby, launcher):
+        poller.register(socket, zmq.POLLIN)
+    while True:
+        events = dict(poller.poll())
+        for _ in range(4096 if door in events else 0):
+            try:
+                frames = door.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            address = frames[-1].get("Peer-Address") or "address unknown"
+            lobby.send_multipart([frames[0].bytes, address.encode(), frames[-1].bytes])
+        if lobby in events:
+            pass_on(lobby, door)
+        if launcher in events and not os.read(launcher, 1):
+            # the launcher closed the lobby, then this pipe: its last words may
+            # still be on their way here
+            while lobby.poll(200):
+                pass_on(lobby, door)
+            return
+
+
+def pass_on(lobby, door):
+    """What the lobby sent, out to the members it names."""
+    for _ in range(4096):
+        try:
+            door.send_multipart(lobby.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            return
+
+
+def main():
+    settings = json.loads(sys.stdin.buffer.readline())
+    folder = tempfile.mkdtemp(prefix="dual_mlp-door-")
+    context = zmq.Context()
+    auth = zmq.auth.thread.ThreadAuthenticator(context)
+    try:
+        auth.start()
+        auth.configure_curve_callback("*", OnlyTheRun(settings["public"].encode()))
+        lobby = context.socket(zmq.PAIR)
+        for option in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER):
+            lobby.setsockopt(option, 0)
+        lobby.bind(f"ipc://{folder}/lobby.sock")
+        try:
+            door = open_door(context, settings)
+        except zmq.ZMQError as e:
+            print(json.dumps({"error": e.strerror}), flush=True)
+            return 1
+        print(json.dumps({"error": None, "lobby": f"{folder}/lobby.sock"}), flush=True)
+        relay(door, lobby, sys.stdin.fileno())
+        return 0
+    finally:
+        auth.stop()
+        context.destroy()  # each socket with its own linger: the members' last words go out
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
