@@ -76,8 +76,8 @@ CHOICES = {
     "sync": {"gpu": "gpu",      # the GPUs order phases 2-6, one kernel at the step's end
              "cpu": "host"},    # the 2014 loop: the only way on CPUs
     "avg": {"gpu": "theano",    # as in 2014: a compiled function whose updates are the means
-            "cpu": "pycuda"},   # in place: the mean the workers summed (HostTransport) read
-}                               # where it lies, no PyCUDA on a CPU; fastest (compare_cpu.json)
+            "cpu": "shared"},   # the mean the workers summed into one shared buffer, read
+}                               # where it lies (HostTransport); fastest (compare_cpu.json)
 
 
 # -----------------------------------------------------------------------------
@@ -187,7 +187,7 @@ class HostTransport:
         mean[mine] /= self.n
 
     def average(self, params):
-        """6. under ``--avg pycuda``, the CPUs' default: every parameter is the
+        """6. under ``--avg shared``, the CPUs' default: every parameter is the
         mean as the copies left it, read where it lies (JAX never writes an
         array in place); another backend (Numba's) may, so it gets a copy."""
         if self.device.mode != "JAX":
@@ -309,9 +309,9 @@ class HostOrdered(Trainer):
             return pytensor.function([], [], mode=device.mode, updates=[
                 (p, pt.alloc(mean_in_rank_order([slot[i] for slot in slots]), *p.shape))
                 for i, p in enumerate(params)])
-        if kind == "pycuda" and device.name == "cpu":  # the laptop's: HostTransport's mean
+        if kind == "shared":  # the laptop's: the mean HostTransport's workers summed
             return lambda: self.transport.average(params)
-        if kind == "pycuda":  # a CUDA kernel, in place on the buffers JAX handed back
+        if kind == "pycuda":  # as in 2014: a CUDA kernel, in place on the buffers JAX handed back
             return lambda: device.average_in_place(params, self.transport.received, layout)
 
         def through_host():

@@ -364,13 +364,13 @@ def add_exchange_options(p, choices, steps_per_call):
                         "the host never waiting within a step; 'host' the 2014 loop, the host "
                         "waiting for each phase (default: " + by_hardware("sync") + "; workers "
                         "sharing a GPU run 'gpu' only when asked, time-sliced)")
-    p.add_argument("--avg", choices=("theano", "pycuda", "cpu"),
+    p.add_argument("--avg", choices=("theano", "pycuda", "shared", "cpu"),
                    help="--sync host: how to average; 'theano' a compiled PyTensor function "
-                        "whose updates are the means (as in 2014); 'pycuda' in place on the "
-                        "buffers (a CUDA kernel on GPUs; on CPUs, where the workers sum the mean "
-                        "into one shared buffer, each its share, the weights read it where it "
-                        "lies); "
-                        "'cpu' through host memory (default: " + by_hardware("avg") + ")")
+                        "whose updates are the means (as in 2014); 'pycuda' a CUDA kernel, in "
+                        "place on the GPU's buffers (as in 2014); 'shared' (CPUs) the mean the "
+                        "workers sum into one shared buffer, each its share, read where it "
+                        "lies; 'cpu' through host memory (as in 2014) (default: "
+                        + by_hardware("avg") + ")")
     p.add_argument("--average-every", type=positive_int, default=1, metavar="H",
                    help="average the replicas every H steps (local SGD): each worker takes H "
                         "SGD steps on its own minibatches, then all average; an epoch always "

@@ -189,6 +189,10 @@ def choose_sync_and_avg(args, gpus, choices):
     if args.sync == "gpu" and args.avg:
         raise UsageError("--avg chooses how the host-ordered loop averages: add --sync host")
     args.avg = args.avg or choices["avg"][hardware]
+    here, there, in_place = ("GPUs", "CPUs", "pycuda") if gpus else ("CPUs", "GPUs", "shared")
+    if args.avg in ("pycuda", "shared") and args.avg != in_place:
+        raise UsageError(f"--avg {args.avg} averages in place on {there}: on {here}, "
+                         f"--avg {in_place} does")
 
 
 def host_ordering(args, world, shared, sync_asked, staged_asked):
@@ -418,9 +422,8 @@ def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call, 
     ``shapes`` are the model's parameters' (a checkpoint must hold them),
     ``batch_size`` is the default per worker, ``shipped_batch_size`` the one
     on the shipped digits (too few for two minibatches of the default),
-    ``steps_per_call`` the default of the device-ordered exchanges,
-    ``epochs`` the default of --epochs, ``choices`` those of --sync and
-    --avg by hardware."""
+    ``steps_per_call`` the device-ordered exchanges' default, ``epochs``
+    --epochs', ``choices`` those of --sync and --avg by hardware."""
     notices = []
     fault = fault_spec_problem()
     if fault:

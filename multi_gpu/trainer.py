@@ -97,7 +97,8 @@ class Peer:
     def __init__(self, rundir, rank, n_workers, timeout, stopping, spin=0.0):
         """
         :param timeout: seconds to wait for another worker at any barrier
-        :param stopping: has is_set(); once it is set, any wait ends
+        :param stopping: ``worker.StopRequest``: once its ``signum`` is set, any
+            wait ends
         :param spin: seconds to poll without sleeping before blocking; a
             wake-up from a blocking wait costs tens of microseconds, which
             matters next to a GPU step but would steal a CPU worker's core
@@ -133,7 +134,7 @@ class Peer:
                     return
         started = time.monotonic()
         while not socket.poll(100, event):
-            if self.stopping.is_set():
+            if self.stopping.signum:  # an attribute, set by a signal's handler: nothing to call
                 raise Interrupted
             waited = time.monotonic() - started
             if waited > self.timeout and not (what == "the handshake" and

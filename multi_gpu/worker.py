@@ -70,18 +70,21 @@ def stop_point(rank, where):
 FAULT = os.environ.get("DUAL_MLP_FAULT", "").split(":")  # read once: it is on every step's path
 FAULT_PLACES = ("compile", "start", "train", "exchange", "save", "spawned", "folder")
 FAULT_KINDS = ("raise", "oom", "kill", "hint", "stop", "slow")
-SLOW_S = 15  # seconds a "slow" fault holds a worker: a compile on a busy machine
+SLOW_S = 15  # seconds a "slow" fault holds a worker (slow=SECONDS: as long as asked)
 
 
 def fault_spec_problem():
     """What is wrong with DUAL_MLP_FAULT (the fault tests' hook), or None."""
     if FAULT == [""]:
         return None
-    if len(FAULT) != 3 or FAULT[1] not in FAULT_PLACES or FAULT[2] not in FAULT_KINDS or \
+    how, _, seconds = FAULT[-1].partition("=")
+    known = how in FAULT_KINDS and (not seconds or how == "slow" and seconds.isdigit())
+    if len(FAULT) != 3 or FAULT[1] not in FAULT_PLACES or not known or \
             not (FAULT[0].isdigit() or FAULT[0] == "launcher"):
         return (f"DUAL_MLP_FAULT={':'.join(FAULT)}: expected RANK:WHERE:HOW (the fault tests' "
                 f"hook), WHERE one of {', '.join(FAULT_PLACES)}, HOW one of "
-                f"{', '.join(FAULT_KINDS)}; unset it to run normally")
+                f"{', '.join(FAULT_KINDS)} (slow=SECONDS for longer than {SLOW_S} s); unset "
+                "it to run normally")
     return None
 
 
@@ -91,11 +94,12 @@ def fault_point(rank, where):
     train, exchange, save: a checkpoint written but not yet in place) by HOW (raise, oom, kill,
     or hint: an error whose message ends in a hint line, as PyTensor's do),
     or pause there (stop: SIGSTOP, until the test has acted and sends SIGCONT;
-    slow: ``SLOW_S`` seconds, its heartbeat going on)."""
+    slow: ``SLOW_S`` seconds, or ``slow=SECONDS``, its heartbeat going on:
+    a first compile on a busy machine)."""
     if FAULT[:2] != [str(rank), where]:
         return
-    if FAULT[2] == "slow":
-        time.sleep(SLOW_S)
+    if FAULT[2].startswith("slow"):
+        time.sleep(int(FAULT[2].partition("=")[2] or SLOW_S))
         return
     if FAULT[2] == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)

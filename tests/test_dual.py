@@ -37,7 +37,7 @@ def test_two_workers_equal_one_process_with_twice_the_batch(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
 
 
-@pytest.mark.parametrize("avg", ["theano", "pycuda", "cpu"])
+@pytest.mark.parametrize("avg", ["theano", "shared", "cpu"])
 def test_check_reports_identical_replicas(tmp_path, avg):
     out = dual("cpu", "cpu", "--avg", avg, "--epochs", 1, "--check", "--json",
                tmp_path / "run.json")
@@ -69,7 +69,7 @@ def test_default_run_on_the_shipped_digits_learns(tmp_path):
         assert summary[key] > 0
     assert summary["config"]["batch_size"] == 100 and "max_replica_diff" not in summary
     assert summary["exchange"] == "p2p" and summary["sync"] == "host"
-    assert summary["config"]["avg"] == "pycuda"
+    assert summary["config"]["avg"] == "shared"
     phases_add_up(summary["step_us"])
     assert any(line.startswith("Trained at ") and ": train " in line for line in lines)
     params, best, state = load(tmp_path / "m.npz")

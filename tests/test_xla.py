@@ -80,8 +80,8 @@ def test_three_workers_peer_to_peer_hold_the_xla_average(tmp_path, three_by_xla,
     reordering (NumPy and Numba here, XLA there): within 1e-6 absolute
     (measured: 1.5e-7 after 20 steps)."""
     xla, _, xla_weights, _ = three_by_xla
-    for avg in ("pycuda", "cpu"):  # p2p: the default for CPUs of one machine
-        if avg == "pycuda":
+    for avg in ("shared", "cpu"):  # p2p: the default for CPUs of one machine
+        if avg == "shared":
             p2p, out, p2p_weights, _ = three_by_p2p
             assert p2p["config"]["avg"] == avg
         else:
@@ -253,8 +253,10 @@ def test_bad_requests_for_many_workers_get_one_line_exit_2(tmp_path, no_leftover
         (["cpu", "cpu", "--nodes", "2", "--coordinator", "10.0.0.1"], "expected HOST:PORT"),
         (["cpu", "cpu", "--coordinator", "host:99999"], "expected HOST:PORT"),
         (["cpu", "cpu", "--sync", "gpu"], "--sync gpu orders the exchange on GPU streams"),
-        (["cpu", "cpu", "cpu", "--exchange", "xla", "--avg", "pycuda"],
+        (["cpu", "cpu", "cpu", "--exchange", "xla", "--avg", "shared"],
          "--exchange xla averages inside"),
+        (["cpu", "cpu", "--avg", "pycuda"], "--avg pycuda averages in place on GPUs: on CPUs, "
+                                            "--avg shared does"),
         (["cpu", "cpu", "cpu", "cpu", "--batch-size", "1000"], "each of the 4 workers"),
         (["cpu", "cpu", "--steps-per-call", "2"], "the host-ordered 2014 loop (--sync host) "
                                                   "takes one step per call"),
