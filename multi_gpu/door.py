@@ -11,7 +11,9 @@ connections past it until zmq drops the first ones), and the launcher never
 notices.  What passes ZeroMQ's CURVE handshake with the run's key goes on
 to the lobby (``lobby.Lobby``), on a zmq socket in a private folder the
 door makes (``mkdtemp``: exclusively, mode 0700) and removes as it ends,
-with the address it came from; what the lobby sends goes out.
+with the address it came from; what the lobby sends goes out.  A folder
+left by a door killed with its launcher is a dead run's, which the next
+run drops (``request.drop_folders_of_dead_runs``).
 
 The lobby runs this file as a script, ``python door.py``: it imports zmq
 alone, reads its settings as one JSON line on its standard input, answers
@@ -96,7 +98,9 @@ def pass_on(lobby, door):
 
 def main():
     settings = json.loads(sys.stdin.buffer.readline())
-    folder = tempfile.mkdtemp(prefix="dual_mlp-door-")
+    # named after the launcher, as its run folder is: whoever finds it left (the
+    # launcher and the door killed at once) knows whose it was
+    folder = tempfile.mkdtemp(prefix=f"dual_mlp-{os.getppid()}-door-")
     context = zmq.Context()
     auth = zmq.auth.thread.ThreadAuthenticator(context)
     try:

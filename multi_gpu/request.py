@@ -510,7 +510,7 @@ def place_coordinator(args):
 SOCKET_PATH_MAX = 107  # an ipc:// socket's path, in bytes (Linux's sun_path, less its NUL)
 
 
-RUN_FOLDER_NAME = re.compile(r"dual_mlp-(\d+)-[0-9a-f]{16}")  # after its launcher's pid
+RUN_FOLDER_NAME = re.compile(r"dual_mlp-(\d+)-(?:[0-9a-f]{16}|door-[a-z0-9_]{8})")  # or door.py's
 STALE_AFTER = 60  # seconds without a heartbeat: a run folder nobody is left to remove
 
 

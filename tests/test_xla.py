@@ -193,6 +193,31 @@ def test_a_dead_node_stops_the_other_node():
     assert not leftover.exists()
 
 
+def test_the_folder_of_a_door_killed_with_its_node_0_goes_with_a_later_run():
+    """Node 0's machine lost as it waits for node 1: its launcher and its
+    lobby's door SIGKILLed at once.  The door's private folder, named after
+    the launcher as a run folder is, goes with a later run, as a dead run's."""
+    from multi_gpu import request
+    before = run_directories()
+    node0 = start_node(free_port(), 0, "--epochs", 1)
+    launcher = psutil.Process(node0.pid)
+    door = wait_for(lambda: next((p for p in launcher.children()
+                                  if "door.py" in " ".join(p.cmdline())), None), 60, "the door")
+    folder, = wait_for(lambda: run_directories() - before, 30, "the door's folder")
+    assert folder.name.startswith(f"dual_mlp-{node0.pid}-door-")
+    assert (folder / "lobby.sock").exists()
+    for p in (door, launcher):
+        p.kill()
+    node0.communicate()
+    request.drop_folders_of_dead_runs(str(folder.parent))
+    assert folder.exists()  # young: its launcher may be in another pid namespace
+    old = time.time() - request.STALE_AFTER - 1
+    for path in [folder, *folder.iterdir()]:
+        os.utime(path, (old, old), follow_symlinks=False)
+    request.drop_folders_of_dead_runs(str(folder.parent))
+    assert not folder.exists()
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_node_alone_reports_the_missing_nodes_within_the_timeout(no_leftovers, rank):
     """Rank 1: no node 0 to let it in; rank 0: the other node never comes.
