@@ -14,6 +14,7 @@ give it to node 0 started again.
 import base64
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -75,6 +76,7 @@ class Lobby(Heartbeats):
         self.kept, self.last_order, self.saved = {}, None, None  # rank -> what it kept
         check_port(address)
         self.door, inner = self.open_door(secret)
+        self.door_folder = os.path.dirname(inner)
         context = zmq.Context()
         lobby = context.socket(zmq.PAIR)
         for option in (zmq.SNDHWM, zmq.RCVHWM):  # neither side waits on the other
@@ -108,14 +110,18 @@ class Lobby(Heartbeats):
         return opened, answer["lobby"]
 
     @staticmethod
-    def close_door(opened):
-        """The door ends as its input closes; it is killed if it does not."""
+    def close_door(opened, folder=None):
+        """The door ends as its input closes, and removes its folder; it is
+        killed if it does not end within 10 s (a busy machine), and its
+        folder removed here."""
         opened.stdin.close()
         try:
-            opened.wait(timeout=5)
+            opened.wait(timeout=10)
         except subprocess.TimeoutExpired:
             opened.kill()
             opened.wait()
+        if folder:  # the door's, checked as it opened
+            shutil.rmtree(folder, ignore_errors=True)
 
     def standings(self):
         return [standing for _, standing in list(self.members.values())]
@@ -266,7 +272,7 @@ class Lobby(Heartbeats):
     def __exit__(self, *exc):
         self.stop_beating()
         self.context.term()  # its last words gone through to the door,
-        self.close_door(self.door)  # and on from there
+        self.close_door(self.door, self.door_folder)  # and on from there
 
 
 class NoAnswer(Exception):
