@@ -68,30 +68,30 @@ def relay(door, lobby, launcher):
     poller = zmq.Poller()
     for socket in (door, lobby, launcher):
         poller.register(socket, zmq.POLLIN)
+
+    def to_lobby(frames):
+        address = frames[-1].get("Peer-Address") or "address unknown"
+        lobby.send_multipart([frames[0].bytes, address.encode(), frames[-1].bytes])
     while True:
         events = dict(poller.poll())
-        for _ in range(4096 if door in events else 0):
-            try:
-                frames = door.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            address = frames[-1].get("Peer-Address") or "address unknown"
-            lobby.send_multipart([frames[0].bytes, address.encode(), frames[-1].bytes])
+        if door in events:
+            pass_on(door, to_lobby)
         if lobby in events:
-            pass_on(lobby, door)
+            pass_on(lobby, door.send_multipart)
         if launcher in events and not os.read(launcher, 1):
             # the launcher closed the lobby, then this pipe: its last words may
             # still be on their way here
             while lobby.poll(200):
-                pass_on(lobby, door)
+                pass_on(lobby, door.send_multipart)
             return
 
 
-def pass_on(lobby, door):
-    """What the lobby sent, out to the members it names."""
+def pass_on(source, send):
+    """What has come in at ``source``, each message to ``send``: a few
+    thousand at most, so that the other side's turn comes."""
     for _ in range(4096):
         try:
-            door.send_multipart(lobby.recv_multipart(zmq.NOBLOCK))
+            send(source.recv_multipart(zmq.NOBLOCK, copy=False))
         except zmq.Again:
             return
 
