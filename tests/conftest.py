@@ -229,9 +229,11 @@ def workers_of(launcher):
 
 
 def run_folder_of(launcher):
-    """The run folder of a launcher (named after its pid), once it is there."""
+    """The run folder of a launcher (named after its pid, as its lobby's door's
+    folder is), once it is there."""
     return wait_for(lambda: next((str(p) for p in run_folders()
-                                  if p.name.startswith(f"dual_mlp-{launcher.pid}-")), None),
+                                  if p.name.startswith(f"dual_mlp-{launcher.pid}-")
+                                  and "-door-" not in p.name), None),
                     60, "the run folder")
 
 

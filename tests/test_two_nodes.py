@@ -143,9 +143,10 @@ def meet_and_train(folder):
             s.close()
         idle, seen["growth"] = swell(launcher, port)
         node1 = start_node(port, 1, *same, devices=TWO, env={"DUAL_MLP_SECRET": secret})
-        wait_for(lambda: workers_of(node0), 60, "node 0's workers")
+        worker0 = wait_for(lambda: workers_of(node0), 60, "node 0's workers")[0]
         folder0 = run_folder_of(node0)
-        seen["coordinator"] = wait_for(lambda: coordinator_of(node0, folder0), 120,
+        seen["coordinator"] = wait_for(lambda: [c.laddr for c in worker0.net_connections("unix")
+                                                if c.laddr.startswith(folder0)], 120,
                                        "JAX's coordinator on node 0's worker 0")
         seen["folder0_mode"] = os.stat(folder0).st_mode & 0o777
         seen["nodes"] = [finish(node, timeout=300) for node in (node0, node1)]
@@ -156,20 +157,6 @@ def meet_and_train(folder):
     seen["left"] = [[p.pid for p in leftover_workers()],
                     sorted(map(str, run_directories() - before))]
     return seen
-
-
-def coordinator_of(node0, folder0):
-    """The Unix sockets node 0's workers listen on in its run folder (JAX's
-    coordinator is worker 0's); ["gone"] once they have all ended (the nodes'
-    ends then say why)."""
-    found, workers = [], workers_of(node0)
-    for worker in workers:
-        try:
-            found += [c.laddr for c in worker.net_connections("unix")
-                      if c.laddr.startswith(folder0)]
-        except (psutil.NoSuchProcess, FileNotFoundError):
-            pass
-    return found or ([] if workers else ["gone"])
 
 
 def trained(seen):
