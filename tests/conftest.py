@@ -228,6 +228,18 @@ def workers_of(launcher):
     return found
 
 
+def child_running(parent, name):
+    """The child of ``parent`` whose command line names ``name``, if one runs
+    now (a child that ends meanwhile, a zombie too, is none)."""
+    for p in psutil.Process(parent.pid).children():
+        try:
+            if name in " ".join(p.cmdline()):
+                return p
+        except psutil.Error:
+            pass
+    return None
+
+
 def run_folder_of(launcher):
     """The run folder of a launcher (named after its pid, as its lobby's door's
     folder is), once it is there."""

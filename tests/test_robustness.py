@@ -22,9 +22,9 @@ import psutil
 import pytest
 
 from multi_gpu import datasets
-from conftest import (ROOT, as_a_terminal_starts, dual, environment, finish, leftover_workers,
-                      run_directories, script, start_dual, wait_for, wait_until_training,
-                      workers_of)
+from conftest import (ROOT, as_a_terminal_starts, child_running, dual, environment, finish,
+                      leftover_workers, run_directories, script, start_dual, wait_for,
+                      wait_until_training, workers_of)
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups, mounts)")
 
@@ -62,9 +62,7 @@ def pipeline(command, log):
     shell = subprocess.Popen(as_a_terminal_starts(["sh", "-c", f"{command} 2>&1 | tee {log} "
                                                                 ">/dev/null"]),
                              env=environment(), start_new_session=True)
-    launcher = wait_for(lambda: next((p for p in psutil.Process(shell.pid).children()
-                                      if "dual_mlp.py" in " ".join(p.cmdline())), None), 30,
-                        "the launcher")
+    launcher = wait_for(lambda: child_running(shell, "dual_mlp.py"), 30, "the launcher")
     return shell, launcher
 
 

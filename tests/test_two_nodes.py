@@ -12,7 +12,7 @@ import psutil
 import pytest
 import zmq
 
-from conftest import (SECRET, finish, leftover_workers, made_once, run_directories,
+from conftest import (SECRET, child_running, finish, leftover_workers, made_once, run_directories,
                       run_folder_of, start_node, wait_for, workers_of)
 from multi_gpu.nodes import curve_keys, free_port
 
@@ -74,7 +74,7 @@ FLOOD = DESCRIPTORS - 6  # a stranger's connections: all but what a process star
 
 def door_of(launcher):
     """Node 0's door: the process of its launcher's that listens (``multi_gpu.door``)."""
-    return next(p for p in launcher.children() if "door.py" in " ".join(p.cmdline()))
+    return wait_for(lambda: child_running(launcher, "door.py"), 10, "the door")
 
 
 def flood(port):

@@ -13,9 +13,9 @@ import psutil
 import pytest
 
 from multi_gpu import records
-from conftest import (SHAPES, assert_identical_checkpoints, dual, finish, kill_one_worker,
-                      leftover_workers, refused, run_directories, run_once, start_dual, start_node,
-                      wait_for, wait_until_training, workers_of)
+from conftest import (SHAPES, assert_identical_checkpoints, child_running, dual, finish,
+                      kill_one_worker, leftover_workers, refused, run_directories, run_once,
+                      start_dual, start_node, wait_for, wait_until_training, workers_of)
 from multi_gpu.nodes import free_port
 
 
@@ -201,8 +201,7 @@ def test_the_folder_of_a_door_killed_with_its_node_0_goes_with_a_later_run():
     before = run_directories()
     node0 = start_node(free_port(), 0, "--epochs", 1)
     launcher = psutil.Process(node0.pid)
-    door = wait_for(lambda: next((p for p in launcher.children()
-                                  if "door.py" in " ".join(p.cmdline())), None), 60, "the door")
+    door = wait_for(lambda: child_running(launcher, "door.py"), 60, "the door")
     folder, = wait_for(lambda: run_directories() - before, 30, "the door's folder")
     assert folder.name.startswith(f"dual_mlp-{node0.pid}-door-")
     assert (folder / "lobby.sock").exists()
