@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import select
 import signal
 import sys
@@ -78,7 +79,7 @@ def fault_spec_problem():
     if FAULT == [""]:
         return None
     how, _, seconds = FAULT[-1].partition("=")
-    known = how in FAULT_KINDS and (not seconds or how == "slow" and seconds.isdigit())
+    known = how in FAULT_KINDS and (not seconds or how == "slow" and seconds_in(seconds))
     if len(FAULT) != 3 or FAULT[1] not in FAULT_PLACES or not known or \
             not (FAULT[0].isdigit() or FAULT[0] == "launcher"):
         return (f"DUAL_MLP_FAULT={':'.join(FAULT)}: expected RANK:WHERE:HOW (the fault tests' "
@@ -86,6 +87,11 @@ def fault_spec_problem():
                 f"{', '.join(FAULT_KINDS)} (slow=SECONDS for longer than {SLOW_S} s); unset "
                 "it to run normally")
     return None
+
+
+def seconds_in(text):
+    """A duration given as ``SECONDS`` (``2``, ``0.05``), or None."""
+    return float(text) if re.fullmatch(r"\d+(\.\d+)?", text) else None
 
 
 def fault_point(rank, where):
@@ -99,7 +105,7 @@ def fault_point(rank, where):
     if FAULT[:2] != [str(rank), where]:
         return
     if FAULT[2].startswith("slow"):
-        time.sleep(int(FAULT[2].partition("=")[2] or SLOW_S))
+        time.sleep(seconds_in(FAULT[2].partition("=")[2]) or SLOW_S)
         return
     if FAULT[2] == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)

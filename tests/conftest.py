@@ -353,6 +353,14 @@ def one_epoch_checkpoint():
     return copy
 
 
+# A run that a test stops (``--epochs 1000``) trains at a test's pace: worker 0
+# sleeps 0.1 s at each call's start (the fault hook's slow worker) and its
+# peers wait for it at the exchange, which leaves the cores to the other tests
+# (a live run at full speed took two cores for as long as its test ran); an
+# epoch still ends within 2 s, so a checkpoint comes soon.
+PACED = {"DUAL_MLP_FAULT": "0:train:slow=0.1"}
+
+
 def wait_until_training(proc, timeout=120):
     """Read the launcher's output until worker 0 says it is training."""
     for line in proc.stdout:
@@ -361,9 +369,9 @@ def wait_until_training(proc, timeout=120):
     raise AssertionError(f"run ended before training: {proc.stderr.read()}")
 
 
-def start_checkpointing(ckpt, *args):
+def start_checkpointing(ckpt, *args, env=None):
     """A long run that keeps ``--save ckpt``, once it has written a first checkpoint."""
-    proc = start_dual(*args, "--save", ckpt)
+    proc = start_dual(*args, "--save", ckpt, env=env)
     wait_until_training(proc)
     wait_for(ckpt.exists, 60, "a first checkpoint")
     return proc

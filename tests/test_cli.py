@@ -16,8 +16,8 @@ import pytest
 
 import mlp
 from multi_gpu import cli, records
-from conftest import (LAUNCHERS, SHAPES, ROOT, dual, environment, finish, interrupted, refused,
-                      script, start_checkpointing, wait_for)
+from conftest import (LAUNCHERS, PACED, SHAPES, ROOT, dual, environment, finish, interrupted,
+                      refused, script, start_checkpointing, wait_for)
 
 
 @contextlib.contextmanager
@@ -158,7 +158,7 @@ def test_a_batch_larger_than_the_data_is_refused_by_the_tutorial_scripts():
 def test_sigterm_to_the_launcher_stops_all_in_one_line_and_keeps_the_checkpoint(tmp_path,
                                                                                no_leftovers):
     ckpt = tmp_path / "m.npz"
-    proc = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000)
+    proc = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000, env=PACED)
     proc.send_signal(signal.SIGTERM)
     code, took, err = finish(proc, timeout=10)
     assert code == 143 and took < 5

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from multi_gpu import files, records
-from conftest import (SHAPES, assert_identical_checkpoints, corrupt_cases, dual, finish,
+from conftest import (PACED, SHAPES, assert_identical_checkpoints, corrupt_cases, dual, finish,
                       interrupted, kill_one_worker, refused, run_directories, run_once,
                       start_checkpointing, start_dual, wait_for, wait_until_training,
                       workers_of)
@@ -52,14 +52,14 @@ def test_the_worker_named_is_the_cause_not_a_peer_that_failed_after_it():
 
 
 def test_launcher_stops_within_10_s_of_a_worker_killed_from_outside(no_leftovers):
-    proc = start_dual("cpu", "cpu", "--epochs", 1000)
+    proc = start_dual("cpu", "cpu", "--epochs", 1000, env=PACED)
     wait_until_training(proc)
     took = kill_one_worker(proc, 1, "cpu")
     print(f"launcher stopped {took:.2f} s after the worker was killed")
 
 
 def test_a_stalled_peer_is_reported_after_the_timeout(no_leftovers):
-    proc = start_dual("cpu", "cpu", "--epochs", 1000, "--timeout", 2)
+    proc = start_dual("cpu", "cpu", "--epochs", 1000, "--timeout", 2, env=PACED)
     wait_until_training(proc)
     workers_of(proc)[1].send_signal(signal.SIGSTOP)
     code, took, err = finish(proc, timeout=15)
@@ -70,7 +70,7 @@ def test_a_stalled_peer_is_reported_after_the_timeout(no_leftovers):
 @pytest.mark.parametrize("target", ["group", "launcher"])
 def test_ctrl_c_stops_everything_and_keeps_the_checkpoint(tmp_path, no_leftovers, target):
     ckpt = tmp_path / "m.npz"
-    proc = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000)
+    proc = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000, env=PACED)
     time.sleep(0.3)
     if target == "group":
         os.killpg(proc.pid, signal.SIGINT)
@@ -84,7 +84,7 @@ def test_ctrl_c_stops_everything_and_keeps_the_checkpoint(tmp_path, no_leftovers
 
 
 def test_killing_the_launcher_takes_its_workers_along(no_leftovers):
-    proc = start_dual("cpu", "cpu", "--epochs", 1000)
+    proc = start_dual("cpu", "cpu", "--epochs", 1000, env=PACED)
     wait_until_training(proc)
     workers = workers_of(proc)
     proc.send_signal(signal.SIGKILL)
@@ -96,7 +96,7 @@ def test_killing_the_launcher_takes_its_workers_along(no_leftovers):
 def test_a_worker_left_without_launcher_and_peer_still_exits(no_leftovers):
     """Its peer gone, a zmq PAIR socket blocks a plain send forever: the
     worker must still notice the launcher's death and leave."""
-    proc = start_dual("cpu", "cpu", "--epochs", 1000)
+    proc = start_dual("cpu", "cpu", "--epochs", 1000, env=PACED)
     wait_until_training(proc)
     survivor, victim = workers_of(proc)
     proc.send_signal(signal.SIGKILL)  # the launcher first: it is not there to clean up
@@ -163,7 +163,7 @@ def test_a_run_killed_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):
     ckpt = tmp_path / "m.npz"
     before = run_directories()
     for delay in (0.05, 0.17, 0.31):  # checkpoints are written every ~0.3 s here
-        proc = start_dual("cpu", "cpu", "--epochs", 1000, "--save", ckpt)
+        proc = start_dual("cpu", "cpu", "--epochs", 1000, "--save", ckpt, env=PACED)
         wait_until_training(proc)
         wait_for(ckpt.exists, 60, "a checkpoint")
         time.sleep(delay)

@@ -23,7 +23,7 @@ import pytest
 
 from bench.hosts import FAULTS, NODE0_FAULTS, hosts_on_a_bridge, two_nodes, why_no_test_hosts
 from bench.lost_node import come_back, node0_lost, stopped_after, strike
-from conftest import (assert_identical_checkpoints, finish, made_once, run_directories,
+from conftest import (PACED, assert_identical_checkpoints, finish, made_once, run_directories,
                       start_dual, wait_for)
 
 pytestmark = pytest.mark.skipif(bool(why_no_test_hosts()), reason=str(why_no_test_hosts()))
@@ -103,12 +103,12 @@ def run_on_hosts(folder):
         for name in FAULTS:
             h = pairs[name]
             same = ("--epochs", 1000, "--secret-file", "secret")
-            struck[name] = [node(folder, h[0], h[0], 0, *same, "--save", checkpoint(name)),
-                            node(folder, h[1], h[0], 1, *same)]
+            struck[name] = [node(folder, h[0], h[0], 0, *same, "--save", checkpoint(name),
+                                 env=PACED), node(folder, h[1], h[0], 1, *same, env=PACED)]
         for name in NODE0_FAULTS:
             h = pairs[name]
             struck[name] = [node(folder, h[i], h[0], i, "--epochs", 1000, "--secret-file",
-                                 "secret") for i in (0, 1)]
+                                 "secret", env=PACED) for i in (0, 1)]
 
         def restartable(name, i):
             h = pairs[name]

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from multi_gpu import datasets
-from conftest import (ROOT, as_a_terminal_starts, child_running, dual, environment, finish,
+from conftest import (PACED, ROOT, as_a_terminal_starts, child_running, dual, environment, finish,
                       leftover_workers, run_directories, script, start_dual, wait_for,
                       wait_until_training, workers_of)
 
@@ -182,7 +182,8 @@ def test_a_frozen_worker_is_named_and_the_run_ends_within_its_timeout(tmp_path):
     than the timeout and its grace: it names the worker it leaves, and has
     released the checkpoint's lock and removed the run folder."""
     ckpt = tmp_path / "ck.npz"
-    proc = start_dual("cpu", "cpu", "--epochs", 100000, "--timeout", 3, "--save", ckpt)
+    proc = start_dual("cpu", "cpu", "--epochs", 100000, "--timeout", 3, "--save", ckpt,
+                      env=PACED)
     wait_until_training(proc)
     wait_for(ckpt.exists, 60, "a checkpoint")
     worker1 = workers_of(proc)[1]
@@ -374,7 +375,7 @@ def test_an_output_folder_made_read_only_mid_run_leaves_no_traceback(tmp_path):
     the run in its own words, with no traceback of its lock's removal."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    proc = start_dual("cpu", "cpu", "--epochs", 100000, "--save", disk / "ck.npz")
+    proc = start_dual("cpu", "cpu", "--epochs", 100000, "--save", disk / "ck.npz", env=PACED)
     try:
         wait_until_training(proc)
         wait_for((disk / "ck.npz").exists, 60, "a checkpoint")

@@ -18,7 +18,7 @@ import pytest
 
 from multi_gpu import cli, datasets, records
 from conftest import splits as conftest_splits
-from conftest import (LAUNCHERS, ROOT, SHAPES, TOKEN, dual, environment, finish, interrupted,
+from conftest import (LAUNCHERS, PACED, ROOT, SHAPES, TOKEN, dual, environment, finish, interrupted,
                       kill_one_worker, leftover_workers, run_directories, script,
                       refused, start_checkpointing, start_dual, start_node, wait_for,
                       wait_until_training, workers_of)
@@ -73,7 +73,7 @@ def test_an_output_never_overwrites_an_input_or_another_output(tmp_path, no_left
 def test_a_second_run_on_a_held_checkpoint_is_refused_and_touches_nothing(tmp_path,
                                                                           no_leftovers, capsys):
     ckpt = tmp_path / "m.npz"
-    live = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000)
+    live = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000, env=PACED)
     writing = tmp_path / f".m.npz.{live.pid}.halfdone.tmp"  # the live run's write in progress
     writing.write_bytes(b"half a checkpoint")
     for name in ("dual_mlp.py", "mlp.py"):  # the demo's as typed, the tutorial's by its main()
@@ -105,7 +105,7 @@ def test_a_launcher_killed_at_any_moment_of_start_up_leaves_no_worker_and_no_fol
         exchange, no_leftovers):
     for delay in (0.0, 0.1, 0.3, 0.6, 1.0, 1.5, 2.0, 3.0, 4.5):
         proc = start_dual("cpu", "cpu", *(["cpu"] if exchange == "xla" else []), "--exchange",
-                          exchange, "--epochs", 1000)
+                          exchange, "--epochs", 1000, env=PACED)
         time.sleep(delay)
         proc.kill()  # the launcher alone: its workers must notice and go
         proc.communicate()
@@ -138,7 +138,7 @@ def test_a_workers_write_to_a_dead_launchers_pipe_fails_instead_of_ending_it(no_
     0 ending on the closed pipe (test_a_closed_stdout_pipe_ends_quietly), and
     a closed pipe at its shutdown does not keep it from cleaning up
     (test_ctrl_c_through_tee_leaves_no_lock_and_no_run_folder)."""
-    proc = start_dual("cpu", "cpu", "--epochs", 1000)
+    proc = start_dual("cpu", "cpu", "--epochs", 1000, env=PACED)
     wait_until_training(proc)
     try:
         assert [ignores_sigpipe(w.pid) for w in workers_of(proc)] == [True, True]
@@ -158,7 +158,7 @@ def listening(processes):
 
 def test_every_socket_of_a_one_machine_run_is_on_the_loopback(no_leftovers):
     for exchange in ("xla", "p2p"):
-        proc = start_dual("cpu", "cpu", "--exchange", exchange, "--epochs", 1000)
+        proc = start_dual("cpu", "cpu", "--exchange", exchange, "--epochs", 1000, env=PACED)
         wait_until_training(proc)
         found = listening([psutil.Process(proc.pid)] + workers_of(proc))
         assert all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for _, ip in found), found
@@ -172,7 +172,7 @@ def test_every_socket_of_a_one_machine_run_is_on_the_loopback(no_leftovers):
 
 def test_a_foreign_run_on_a_live_runs_port_is_refused_and_the_live_run_goes_on(no_leftovers):
     port = free_port()
-    live = [start_node(port, 1, "--epochs", 1000), start_node(port, 0, "--epochs", 1000)]
+    live = [start_node(port, rank, "--epochs", 1000, env=PACED) for rank in (1, 0)]
     wait_until_training(live[1])
     for rank, words in ((1, "has joined already: is another run using this --coordinator?"),
                         (0, f"cannot listen on 127.0.0.1:{port}")):
@@ -289,7 +289,7 @@ def test_a_small_dev_shm_moves_the_buffers_to_disk_with_a_notice(no_leftovers):
 
 
 def test_ctrl_c_under_the_xla_exchange_is_one_line(no_leftovers):
-    proc = start_dual("cpu", "cpu", "--exchange", "xla", "--epochs", 1000)
+    proc = start_dual("cpu", "cpu", "--exchange", "xla", "--epochs", 1000, env=PACED)
     wait_until_training(proc)
     proc.send_signal(signal.SIGINT)
     code, _, err = finish(proc, timeout=15)
@@ -299,9 +299,10 @@ def test_ctrl_c_under_the_xla_exchange_is_one_line(no_leftovers):
 def test_the_fault_test_passes_beside_another_run_and_leaves_it_alone(tmp_path, no_leftovers):
     """A demo of someone else's on the same machine: the tests neither count
     its workers and folders nor touch them."""
-    other = start_dual("cpu", "cpu", "--epochs", 1000, mine=False)
+    other = start_dual("cpu", "cpu", "--epochs", 1000, env=PACED, mine=False)
     try:
-        proc = start_dual("cpu", "cpu", "--epochs", 1000)  # meanwhile: each trains a shorter while
+        # meanwhile: each trains a shorter while
+        proc = start_dual("cpu", "cpu", "--epochs", 1000, env=PACED)
         wait_until_training(other)
         theirs = workers_of(other)
         wait_until_training(proc)
@@ -384,7 +385,7 @@ def test_a_hangup_or_user_signal_stops_the_run_in_one_line_and_frees_its_checkpo
     signal that would end it silently (SIGQUIT, SIGALRM, ...) is caught by
     the same handler, the launcher's and each worker's: Linux says so."""
     ckpt = tmp_path / "m.npz"
-    proc = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000)
+    proc = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000, env=PACED)
     for pid in (proc.pid, *(w.pid for w in workers_of(proc))):
         with open(f"/proc/{pid}/status") as f:
             caught = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
@@ -448,7 +449,7 @@ def test_no_run_removes_a_temporary_it_did_not_make(tmp_path):
 
 def test_a_summary_may_not_overwrite_a_live_runs_checkpoint(tmp_path, no_leftovers, capsys):
     ckpt = tmp_path / "m.npz"
-    live = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000)
+    live = start_checkpointing(ckpt, "cpu", "cpu", "--epochs", 1000, env=PACED)
     for name in ("dual_mlp.py", "mlp.py"):  # the demo's as typed, the tutorial's by its main()
         out = refused(capsys, *cpu_workers(name), "--epochs", 1, "--json", ckpt, name=name,
                       typed=name == "dual_mlp.py")
@@ -661,7 +662,7 @@ def test_a_model_too_big_for_memory_is_refused_before_it_is_built(name):
 def test_a_run_whose_folder_vanishes_stops_in_one_line(no_leftovers):
     """A cleaner of temporary files takes the run folder mid-run: the workers
     notice within a heartbeat, and the run ends in one line, not a hang."""
-    proc = start_dual("cpu", "cpu", "--epochs", 100000, "--timeout", 600)
+    proc = start_dual("cpu", "cpu", "--epochs", 100000, "--timeout", 600, env=PACED)
     wait_until_training(proc)
     (folder,) = [d for d in run_directories() if f"-{proc.pid}-" in d.name]
     shutil.rmtree(folder)

@@ -151,8 +151,9 @@ def test_a_bad_trace_request_is_one_line_before_anything_starts(tmp_path, args, 
 def test_a_trace_is_held_as_a_checkpoint_is(tmp_path, capsys):
     """A second run asking for a live run's --trace (or its picture) is
     refused (the first as typed, the second by the script's main())."""
-    from conftest import finish, start_dual, wait_until_training
-    live = start_dual("cpu", "cpu", "--epochs", 1000, "--trace", tmp_path / "t.json")
+    from conftest import PACED, finish, start_dual, wait_until_training
+    live = start_dual("cpu", "cpu", "--epochs", 1000, "--trace", tmp_path / "t.json",
+                      env=PACED)
     try:
         wait_until_training(live)
         for output in ("t.json", "t.png"):

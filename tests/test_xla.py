@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from multi_gpu import records
-from conftest import (SHAPES, assert_identical_checkpoints, child_running, dual, finish,
+from conftest import (PACED, SHAPES, assert_identical_checkpoints, child_running, dual, finish,
                       kill_one_worker, leftover_workers, refused, run_directories, run_once,
                       start_dual, start_node, wait_for, wait_until_training, workers_of)
 from multi_gpu.nodes import free_port
@@ -142,7 +142,7 @@ def test_xla_with_two_workers_follows_the_p2p_exchange_and_each_keeps_its_progra
 
 @pytest.mark.parametrize("exchange", ["xla", "p2p"])
 def test_a_killed_worker_stops_all_three_within_10_s(no_leftovers, exchange):
-    proc = start_dual("cpu", "cpu", "cpu", "--exchange", exchange, "--epochs", 1000)
+    proc = start_dual("cpu", "cpu", "cpu", "--exchange", exchange, "--epochs", 1000, env=PACED)
     wait_until_training(proc)
     took = kill_one_worker(proc, 2, "cpu")
     print(f"{exchange}: launcher stopped {took:.2f} s after the worker was killed")
@@ -157,7 +157,7 @@ def test_a_stalled_worker_is_reported_within_the_timeout(no_leftovers, exchange,
     worker whose heartbeat stopped.  Peer to peer, the others wait for it at
     a barrier, and name it."""
     proc = start_dual("cpu", "cpu", "cpu", "--exchange", exchange, "--epochs", 1000,
-                      "--timeout", 3)
+                      "--timeout", 3, env=PACED)
     wait_until_training(proc)
     workers_of(proc)[2].send_signal(signal.SIGSTOP)
     code, took, err = finish(proc, timeout=20)
@@ -170,7 +170,7 @@ def test_a_dead_node_stops_the_other_node():
     """Node 1's launcher and worker SIGKILLed at once: node 0 names it in
     one line; the folder node 1 left goes with a later run (issue 49.7)."""
     port, before = free_port(), run_directories()
-    node0, node1 = start_node(port, 0, "--epochs", 1000), start_node(port, 1, "--epochs", 1000)
+    node0, node1 = (start_node(port, rank, "--epochs", 1000, env=PACED) for rank in (0, 1))
     wait_until_training(node0)
     for p in [*workers_of(node1), psutil.Process(node1.pid)]:  # that machine's, at once
         p.kill()
