@@ -178,7 +178,8 @@ def test_a_signal_at_any_moment_of_start_up_gives_no_traceback(name, no_leftover
         sig = rng.choice([signal.SIGINT, signal.SIGTERM])
         proc = subprocess.Popen([sys.executable, str(ROOT / name), "--epochs", "1000"], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True, env=environment())
+                                start_new_session=True,
+                                env=environment(PACED if name == "dual_mlp.py" else None))
         LAUNCHERS.add(proc.pid)
         maps = Path(f"/proc/{proc.pid}/maps")
         wait_for(lambda maps=maps: "_multiarray_umath" in maps.read_text(), 60, "NumPy to load")
