@@ -6,7 +6,6 @@ Publishes the MLP's parameter shapes filled with this rank's random numbers,
 fetches everyone's through the real transport, and exits 0 only if every
 value arrived bit for bit (three rounds, the send buffers reused)."""
 import sys
-import threading
 
 import numpy as np
 
@@ -15,6 +14,7 @@ import mlp
 from multi_gpu.devices import CudaDevice
 from multi_gpu.links import Layout
 from multi_gpu.trainer import Peer
+from multi_gpu.worker import StopRequest
 
 
 def arrays(rank, round_):
@@ -27,7 +27,7 @@ def main():
     device = CudaDevice(gpu)  # started with CUDA_VISIBLE_DEVICES=gpu, as a worker is
     layout = Layout(mlp.parameter_shapes(784, 500, 10), np.float32)
     transport = dual_mlp.transport(device, rundir, rank, n, layout, "--staged" in sys.argv)
-    peer = Peer(rundir, rank, n, 60, threading.Event())
+    peer = Peer(rundir, rank, n, 60, StopRequest())
     try:
         transport.connect(peer.exchange(transport.handle()))
         for round_ in range(3):

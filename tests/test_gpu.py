@@ -60,11 +60,14 @@ def test_ipc_copy_is_exact_for_every_parameter_shape(devices, staged):
             assert "exact" in out
 
 
-@pytest.mark.parametrize("avg", ["theano", "pycuda", "cpu"])
-def test_replicas_identical_and_following_the_cpu_path(tmp_path, avg):
-    args = ("--avg", avg, "--epochs", 2, "--check")
-    gpu, _ = run_json(tmp_path, "gpu", *PAIR, "--sync", "host", *args)
-    cpu, _ = run_json(tmp_path, "cpu", "cpu", "cpu", *args)
+@pytest.mark.parametrize("avg,on_cpus", [("theano", "theano"), ("pycuda", "shared"),
+                                         ("cpu", "cpu")])
+def test_replicas_identical_and_following_the_cpu_path(tmp_path, avg, on_cpus):
+    """Each --avg on GPUs against the CPUs' average of the same kind (2014's
+    in-place kernel, ``pycuda``, against the CPUs' in-place mean, ``shared``)."""
+    args = ("--epochs", 2, "--check")
+    gpu, _ = run_json(tmp_path, "gpu", *PAIR, "--sync", "host", "--avg", avg, *args)
+    cpu, _ = run_json(tmp_path, "cpu", "cpu", "cpu", "--avg", on_cpus, *args)
     assert gpu["max_replica_diff"] == 0.0
     assert gpu["backend"] == "JAXLinker" and gpu["sync"] == "host"
     assert gpu["route"] == f"CUDA IPC, peer to peer, ordered by the host, --avg {avg}"
