@@ -24,7 +24,7 @@ import time
 
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")  # one GPU, as a worker sees it
 
-from bench.common import OUT, prog, record, require_gpus
+from bench.common import OUT, keep_temporaries_here, prog, record, require_gpus
 
 from multi_gpu import flags  # noqa: F401  (first: float32, as the scripts run)
 import jax
@@ -63,6 +63,7 @@ def main():
     parser.add_argument("--out", default=OUT, help="folder for host_time.json (default: out/, "
                         "which git ignores)")
     args = parser.parse_args()
+    keep_temporaries_here()
     require_gpus()
     device = JaxDevice()
     model = mlp.Model(load_data(args.dataset, put=device.put), args.batch_size, mode="JAX")

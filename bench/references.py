@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from bench.common import prog, record
+from bench.common import keep_temporaries_here, prog, record
 from multi_gpu import datasets
 from multi_gpu.cli import Parser
 
@@ -439,6 +439,7 @@ def main():
                         help="also write what it prints, with the date, machine and command, "
                              "to DIR/references_SYSTEM.json")
     args = parser.parse_args()
+    keep_temporaries_here()
     global CPU
     CPU = args.cpu
     if CPU and args.system.endswith("graph"):

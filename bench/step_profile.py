@@ -20,7 +20,7 @@ import glob
 import os
 import tempfile
 
-from bench.common import OUT, one_device, record, require_gpus
+from bench.common import OUT, keep_temporaries_here, one_device, record, require_gpus
 
 from multi_gpu import datasets
 from multi_gpu.cli import Parser
@@ -63,6 +63,7 @@ def main():
     parser.add_argument("--cpu", action="store_true", help="on the CPU, batch 500 (CI)")
     parser.add_argument("--out", default=OUT, help="folder for step_profile.json")
     args = parser.parse_args()
+    keep_temporaries_here()
     if not args.cpu:
         require_gpus()
     if args.cpu:

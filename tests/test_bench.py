@@ -161,12 +161,16 @@ def mlp_curve():
 
 
 @pytest.mark.parametrize("system,k", [("jax", 1), ("jax", 4), ("pytensor", 4)])
-def test_jax_reference_trains_the_tutorial_model_like_mlp_py(system, k, mlp_curve):
+def test_jax_reference_trains_the_tutorial_model_like_mlp_py(system, k, mlp_curve, tmp_path):
     """The reference's learning curve is mlp.py's: same weights, minibatches and
-    order, one step or K steps a call (30 steps an epoch: calls of 4 and 2)."""
+    order, one step or K steps a call (30 steps an epoch: calls of 4 and 2);
+    it leaves nothing in the temporary folder (PyTensor's compiled sources
+    neither)."""
     out = script("bench.references", system, "--curve", "--dataset", SHIPPED, "--batches", 100,
-                 "--epochs", 2, "--learning-rate", 0.1, "--l2", 0, "--steps-per-call", k)
+                 "--epochs", 2, "--learning-rate", 0.1, "--l2", 0, "--steps-per-call", k,
+                 env={"TMPDIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr
+    assert list(tmp_path.iterdir()) == []
     reference = json.loads(out.stdout.strip().splitlines()[-1])["curve"]
     assert len(reference) == len(mlp_curve) == 2  # a point an epoch
     for a, b in zip(reference, mlp_curve):
