@@ -8,8 +8,9 @@ bridge, each its own address) each run README.md's command for one node
 (``cpu --nodes N --node-rank R --coordinator ...``, the secret in a file),
 twice.  The first run trains an epoch with ``--check``: every node's exit
 code and last line, the seconds from the start to node 0's first step, its
-step, and the replicas' largest difference.  The second is struck once node
-0's workers train (its first step under way, every node's with it, an epoch
+step, and the replicas' largest difference.  The second, whose start-up is
+timed too (its programs in XLA's cache by then: the machine's pace), is
+struck once node 0's workers train (its first step under way, every node's with it, an epoch
 being 15 s of sixteen workers on two cores): the middle host's cable is cut,
 and for every node, the seconds until it ended, its exit code and its last
 line.
@@ -74,11 +75,13 @@ def cut_run(hosts, folder):
     """The middle host's cable cut once node 0's workers train: when, and
     how, every other node ended, and the node cut off."""
     victim = len(hosts) // 2
+    started = time.monotonic()
     nodes = start_nodes(hosts, folder, "--epochs", "1000")
     try:
         for line in nodes[0].stdout:
             if line.startswith("... training"):
                 break
+        start_up = time.monotonic() - started  # its programs in XLA's cache: the machine's pace
         hosts[victim].cut()
         struck, took, ends = time.monotonic(), {}, {}
         while len(took) < len(hosts) and time.monotonic() < struck + 120:
@@ -91,7 +94,7 @@ def cut_run(hosts, folder):
         for host in hosts:
             host.signal(9)  # any node that did not end
     code, line, _, err = ends.pop(victim)
-    return dict(victim=victim, victim_address=hosts[victim].address,
+    return dict(victim=victim, victim_address=hosts[victim].address, start_up_s=start_up,
                 survivors=[dict(rank=rank, stopped_after_s=took.get(rank), exit_code=code,
                                 last_line=line, stderr=err)
                            for rank, (code, line, _, err) in ends.items()],

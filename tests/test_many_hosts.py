@@ -3,20 +3,32 @@
 running README.md's command for its node.  Two runs, made once
 (``bench.many_hosts.measure``): an epoch with ``--check``, and one whose
 middle host's cable is cut as node 0's workers train."""
+import json
+
 import pytest
 
 from bench.hosts import why_no_test_hosts
 from bench.many_hosts import measure
-from conftest import made_once
+from conftest import ROOT, made_once
 
 pytestmark = pytest.mark.skipif(bool(why_no_test_hosts()), reason=str(why_no_test_hosts()))
 
 HOSTS = 16
+# the cut run's start-up on a quiet machine, as the committed benchmark measured it
+QUIET_START_UP_S = json.loads((ROOT / "bench" / "results" / "many_hosts.json").read_text())[
+    "figures"]["cut"]["start_up_s"]
 
 
 @pytest.fixture(scope="module")
 def runs():
     return made_once("many_hosts", lambda folder: measure(HOSTS, str(folder)))[1]
+
+
+def pace(runs):
+    """How much slower than a quiet machine this one ran the cut run, by
+    its own start-up just before the cut (at least 1): the bounds below,
+    met on a quiet machine, stretch with a busy one's pace."""
+    return max(1.0, runs["cut"]["start_up_s"] / QUIET_START_UP_S)
 
 
 def test_sixteen_hosts_of_one_worker_each_train_identical_replicas(runs):
@@ -31,14 +43,15 @@ def test_sixteen_hosts_of_one_worker_each_train_identical_replicas(runs):
 
 def test_a_cut_cable_among_sixteen_is_named_by_every_survivor_within_15_s(runs):
     """Node 0 and every other survivor stop within 15 s of the cut (and the
-    run's own step, which a busy machine stretches: a survivor may be in
-    one), exit 1, in one line that names the lost node and its address; none
-    prints a traceback or a runtime's abort (one line in all)."""
+    run's own step: a survivor may be in one) at a quiet machine's pace
+    (``pace``), exit 1, in one line that names the lost node and its
+    address; none prints a traceback or a runtime's abort (one line in all)."""
     cut, step_s = runs["cut"], runs["whole"]["step_us"] / 1e6
     lost = f"error: node {cut['victim']} ({cut['victim_address']}) lost: not heard from for"
+    bound = 15 * pace(runs) + step_s
     assert len(cut["survivors"]) == HOSTS - 1
     for s in cut["survivors"]:
-        assert s["exit_code"] == 1 and s["stopped_after_s"] < 15 + step_s, (s, step_s)
+        assert s["exit_code"] == 1 and s["stopped_after_s"] < bound, (s, bound)
         assert s["last_line"].startswith(lost), s
     assert all(len(s["stderr"].strip().splitlines()) == 1 for s in cut["survivors"]), \
         [s["stderr"] for s in cut["survivors"]]
@@ -48,7 +61,7 @@ def test_the_host_cut_off_among_sixteen_names_node_0_and_ends(runs):
     """The node behind the cut cable hears no one: it ends too, exit 1, in
     one line that names node 0 lost, with no traceback or runtime abort."""
     cut_off = runs["cut"]["cut_off"]
-    assert cut_off["exit_code"] == 1 and cut_off["stopped_after_s"] < 30, cut_off
+    assert cut_off["exit_code"] == 1 and cut_off["stopped_after_s"] < 30 * pace(runs), cut_off
     assert cut_off["stderr"].strip().splitlines() == [cut_off["last_line"]], cut_off
     assert cut_off["last_line"].startswith("error: node 0 (10.77.0.1) lost: not heard from"), \
         cut_off
