@@ -340,6 +340,26 @@ def run_once(name, *args):
     return folder, subprocess.CompletedProcess(args, 0, printed["stdout"], printed["stderr"])
 
 
+def mlp_one_epoch():
+    """(The folder of one ``mlp.py --epochs 1 --save m.npz`` run, made once
+    for the tests that start from it or set another run against it; what it
+    printed.)  A test copies ``m.npz`` before it changes it."""
+    def make(folder):
+        out = script("mlp.py", "--epochs", 1, "--save", folder / "m.npz")
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+    return made_once("mlp_one_epoch", make)
+
+
+def two_epochs():
+    """The folder of one uninterrupted ``cpu cpu --epochs 2`` run, made once
+    (``run_once``) for the tests that start from it or set another run
+    against it: its summary ``run.json`` and its checkpoint ``m.npz``, which
+    a test copies before it changes it."""
+    return run_once("two_epochs", "cpu", "cpu", "--epochs", 2, "--json", "{folder}/run.json",
+                    "--save", "{folder}/m.npz")[0]
+
+
 @pytest.fixture(scope="session")
 def one_epoch_checkpoint():
     """Copies of one checkpoint of ``cpu cpu --epochs 1``, made once for the

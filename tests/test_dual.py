@@ -9,7 +9,7 @@ import pytest
 import mlp
 from logistic_sgd import load_data
 from multi_gpu import datasets, records
-from conftest import FASHION, SHAPES, dual, script
+from conftest import FASHION, SHAPES, dual, mlp_one_epoch, script
 
 
 def load(path):
@@ -126,12 +126,11 @@ def test_cpu_workers_compile_with_jax_and_keep_it_numba_one_flag_away(tmp_path):
     assert sorted(p.name for p in private.iterdir()) == []
     # its first epoch is JAX's, to float32 rounding (measured: 1.5e-7): both start from the
     # same weights, the warm-up's step undone
-    out = script("mlp.py", "--epochs", 1, "--save", tmp_path / "jax.npz")
-    assert out.returncode == 0, out.stderr
-    assert "epoch 1, minibatch 150/150, validation error" in out.stdout  # mlp.py on its own
-    assert "with PyTensor's JAX backend on cpu" in out.stdout  # the CPU's default
-    for a, b in zip(*(records.load_checkpoint(str(tmp_path / f"{name}.npz"), SHAPES)[0]
-                      for name in ("numba", "jax"))):
+    jax, printed = mlp_one_epoch()
+    assert "epoch 1, minibatch 150/150, validation error" in printed  # mlp.py on its own
+    assert "with PyTensor's JAX backend on cpu" in printed  # the CPU's default
+    for a, b in zip(*(records.load_checkpoint(str(path), SHAPES)[0]
+                      for path in (tmp_path / "numba.npz", jax / "m.npz"))):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
     home = tmp_path / "home"
     home.mkdir()

@@ -12,7 +12,7 @@ import pytest
 from multi_gpu import files, records
 from conftest import (PACED, SHAPES, assert_identical_checkpoints, corrupt_cases, dual, finish,
                       interrupted, kill_one_worker, refused, run_directories, run_once,
-                      start_checkpointing, start_dual, wait_for, wait_until_training,
+                      start_checkpointing, start_dual, two_epochs, wait_for, wait_until_training,
                       workers_of)
 from multi_gpu.request import usable_gpus
 
@@ -214,8 +214,7 @@ def test_a_resume_without_epochs_goes_on_to_the_epochs_its_run_asked_for(tmp_pat
 
 def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(tmp_path):
     full = four_epochs()
-    out = dual("cpu", "cpu", "--epochs", 2, "--save", tmp_path / "half.npz")
-    assert out.returncode == 0, out.stderr
+    shutil.copyfile(two_epochs() / "m.npz", tmp_path / "half.npz")
     out = dual("cpu", "cpu", "--epochs", 4, "--resume", tmp_path / "half.npz", "--save",
                tmp_path / "resumed.npz")
     assert out.returncode == 0, out.stderr

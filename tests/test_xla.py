@@ -15,7 +15,7 @@ import pytest
 from multi_gpu import records
 from conftest import (PACED, SHAPES, assert_identical_checkpoints, child_running, dual, finish,
                       kill_one_worker, leftover_workers, refused, run_directories, run_once,
-                      start_dual, start_node, wait_for, wait_until_training, workers_of)
+                      start_dual, start_node, two_epochs, wait_for, wait_until_training, workers_of)
 from multi_gpu.nodes import free_port
 
 
@@ -134,9 +134,9 @@ def test_xla_with_two_workers_follows_the_p2p_exchange_and_each_keeps_its_progra
     programs = len({k, n % k} - {0})  # an epoch's calls: of K steps, and what is left
     kept = os.listdir(cache / "jax_cache")
     assert sum(name.startswith("jit_call-") for name in kept) == 2 * programs, sorted(kept)
-    p2p, _ = run(tmp_path, "p2p", "cpu", "cpu", "--epochs", 2)
+    p2p = two_epochs()  # the same two epochs, peer to peer
     assert xla["max_replica_diff"] == 0.0 and xla["exchange"] == "xla"
-    for a, b in zip(weights(tmp_path, "xla"), weights(tmp_path, "p2p")):
+    for a, b in zip(weights(tmp_path, "xla"), weights(p2p, "m")):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
 
 
