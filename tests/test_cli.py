@@ -67,7 +67,8 @@ def test_output_paths_are_checked_before_any_training(tmp_path, read_only, no_le
                        "does not exist")
     one_line_error(script("mlp.py", "--epochs", 1, "--save", "/nonexistent/dir/m.npz"),
                    "argument --save:", "folder /nonexistent/dir does not exist")
-    one_line_error(script("mlp.py", "--json", read_only / "m.json"), "cannot write into")
+    one_line_error(refused(capsys, "--json", read_only / "m.json", name="mlp.py"),
+                   "cannot write into")
 
 
 def fill(folder):
@@ -104,17 +105,19 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_prints_the_summary(tmp_pa
         assert not [p for p in disk.iterdir() if p.name.endswith((".tmp", ".lock"))]
 
 
-def test_resume_refuses_a_file_of_another_script_naming_what_is_missing(tmp_path):
+def test_resume_refuses_a_file_of_another_script_naming_what_is_missing(tmp_path, capsys):
+    """The first request by the script, as typed; the others by its main()."""
     shutil.copyfile(mlp_one_epoch()[0] / "m.npz", tmp_path / "final.npz")
     one_line_error(dual("cpu", "cpu", "--resume", tmp_path / "final.npz"),
                    "not a dual_mlp.py checkpoint", "validation_errors", "mlp.py --save")
     params = [np.zeros(s, np.float32) for s in SHAPES]
     records.save_checkpoint(str(tmp_path / "odd.npz"), params, params[:3], epoch=1,
                         best_validation_error=0.1, test_error=0.1, validation_errors=[0.1])
-    one_line_error(dual("cpu", "cpu", "--resume", tmp_path / "odd.npz"), "no best_3")
+    one_line_error(refused(capsys, "cpu", "cpu", "--resume", tmp_path / "odd.npz"), "no best_3")
     records.save_checkpoint(str(tmp_path / "wide.npz"), params, params, epoch=1,
                         best_validation_error=0.1, test_error=0.1, validation_errors=[0.1])
-    one_line_error(dual("cpu", "cpu", "--n-hidden", 20, "--resume", tmp_path / "wide.npz"),
+    one_line_error(refused(capsys, "cpu", "cpu", "--n-hidden", 20, "--resume",
+                           tmp_path / "wide.npz"),
                    "params_0 has shape (784, 500), the model (784, 20)")
 
 
