@@ -263,9 +263,11 @@ def block_name(document, script):
 def keep_temporaries_here():
     """This benchmark's temporary files (PyTensor writes each compiled graph's
     source into one and never removes it) go into a folder of its own,
-    removed at its end, a SIGTERM's too (``timeout``, a killed job)."""
+    removed at its end, a SIGTERM's too (``timeout``, a killed job); so do
+    those of the runs it starts (TMPDIR), which a SIGTERM here kills
+    (``subprocess.run``) before they can remove theirs."""
     folder = tempfile.mkdtemp(prefix=f"{SCRIPT[:-3]}-")
-    tempfile.tempdir = folder
+    tempfile.tempdir = os.environ["TMPDIR"] = folder
     atexit.register(shutil.rmtree, folder, True)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
