@@ -75,7 +75,12 @@ def strike(fault, node0, node1, hosts, into=0.0):
     while not workers_of(node1.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(into * epoch)
-    FAULTS[fault](hosts[1], workers_of(node1.pid)[0])
+    workers = workers_of(node1.pid)
+    if not workers:  # what it said, where it has ended (a running node's pipe would block)
+        said = node1.stderr.read() if node1.poll() is not None else "(still running)"
+        raise RuntimeError(f"{fault}: node 1 has no worker to strike once node 0 has trained "
+                           f"an epoch; node 1: exit code {node1.returncode}, {said}")
+    FAULTS[fault](hosts[1], workers[0])
     return time.monotonic()
 
 

@@ -370,8 +370,11 @@ def test_a_fifo_as_resume_is_refused_before_it_is_opened(tmp_path):
     (("--seed", "-1"), "argument --seed: must be an integer from 0 to 2**32 - 1, got -1"),
     (("--seed", "99999999999"), "argument --seed: must be an integer from 0 to 2**32 - 1, got "
                                 "99999999999")])
-def test_an_empty_dataset_or_a_seed_numpy_cannot_take_is_one_line(name, args, why):
-    out = script(name, *args, timeout=60)
+def test_an_empty_dataset_or_a_seed_numpy_cannot_take_is_one_line(name, args, why, capsys):
+    """By each script's main() in this process (argparse's errors as typed:
+    test_cli.py), where no interpreter's start can outlast a limit on a
+    busy machine (beside two other suites, one took over 60 s)."""
+    out = refused(capsys, *args, name=name)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [f"{name}: error: {why} (see --help)"]
 
