@@ -10,10 +10,10 @@ twice.  The first run trains an epoch with ``--check``: every node's exit
 code and last line, the seconds from the start to node 0's first step, its
 step, and the replicas' largest difference.  The second, whose start-up is
 timed too (its programs in XLA's cache by then: the machine's pace), is
-struck once node 0's workers train (its first step under way, every node's with it, an epoch
-being 15 s of sixteen workers on two cores): the middle host's cable is cut,
-and for every node, the seconds until it ended, its exit code and its last
-line.
+struck once node 0's workers train (its first step under way, every node's
+with it, an epoch being 15 s of sixteen workers on two cores): the middle
+host's cable is cut, and for every node, the seconds until it ended, its
+exit code and its last line.
 Writes ``many_hosts.json`` into ``--out`` (default: ``out/``).
 """
 import os

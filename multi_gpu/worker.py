@@ -79,7 +79,8 @@ def fault_spec_problem():
     if FAULT == [""]:
         return None
     how, _, seconds = FAULT[-1].partition("=")
-    known = how in FAULT_KINDS and (not seconds or how == "slow" and seconds_in(seconds))
+    known = how in FAULT_KINDS and (not seconds or
+                                    how == "slow" and seconds_in(seconds) is not None)
     if len(FAULT) != 3 or FAULT[1] not in FAULT_PLACES or not known or \
             not (FAULT[0].isdigit() or FAULT[0] == "launcher"):
         return (f"DUAL_MLP_FAULT={':'.join(FAULT)}: expected RANK:WHERE:HOW (the fault tests' "

@@ -328,12 +328,12 @@ def made_once(name, make):
         return folder, json.loads(made.read_text())
 
 
-def run_once(name, *args):
-    """``dual_mlp.py args`` run once for the whole test run (``made_once``),
-    in the folder it returns, which ``args`` name as ``{folder}``; with what
-    it printed (CompletedProcess)."""
+def run_once(name, *args, by="dual_mlp.py"):
+    """``dual_mlp.py args`` (or another script's, ``by``) run once for the
+    whole test run (``made_once``), in the folder it returns, which ``args``
+    name as ``{folder}``; with what it printed (CompletedProcess)."""
     def make(folder):
-        out = dual(*(str(a).format(folder=folder) for a in args))
+        out = script(by, *(str(a).format(folder=folder) for a in args))
         assert out.returncode == 0, out.stderr
         return dict(stdout=out.stdout, stderr=out.stderr)
     folder, printed = made_once(name, make)
@@ -342,13 +342,9 @@ def run_once(name, *args):
 
 def mlp_one_epoch():
     """(The folder of one ``mlp.py --epochs 1 --save m.npz`` run, made once
-    for the tests that start from it or set another run against it; what it
-    printed.)  A test copies ``m.npz`` before it changes it."""
-    def make(folder):
-        out = script("mlp.py", "--epochs", 1, "--save", folder / "m.npz")
-        assert out.returncode == 0, out.stderr
-        return out.stdout
-    return made_once("mlp_one_epoch", make)
+    (``run_once``) for the tests that start from it or set another run
+    against it; what it printed.)  A test copies ``m.npz`` before it changes it."""
+    return run_once("mlp_one_epoch", "--epochs", 1, "--save", "{folder}/m.npz", by="mlp.py")
 
 
 def two_epochs():

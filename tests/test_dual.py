@@ -127,8 +127,8 @@ def test_cpu_workers_compile_with_jax_and_keep_it_numba_one_flag_away(tmp_path):
     # its first epoch is JAX's, to float32 rounding (measured: 1.5e-7): both start from the
     # same weights, the warm-up's step undone
     jax, printed = mlp_one_epoch()
-    assert "epoch 1, minibatch 150/150, validation error" in printed  # mlp.py on its own
-    assert "with PyTensor's JAX backend on cpu" in printed  # the CPU's default
+    assert "epoch 1, minibatch 150/150, validation error" in printed.stdout  # mlp.py on its own
+    assert "with PyTensor's JAX backend on cpu" in printed.stdout  # the CPU's default
     for a, b in zip(*(records.load_checkpoint(str(path), SHAPES)[0]
                       for path in (tmp_path / "numba.npz", jax / "m.npz"))):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
