@@ -124,7 +124,9 @@ class Peer:
     def ready(self, other, event, what):
         """Wait, in slices, until the socket to ``other`` can send or receive
         (``event``: ``zmq.POLLOUT``, ``zmq.POLLIN``); a stop request or the
-        timeout ends the wait.  (A PAIR socket whose peer is gone blocks a
+        timeout ends the wait, counted at the handshake from the end of the
+        other's compile (its links made: a moment's work may remain before it
+        sends).  (A PAIR socket whose peer is gone blocks a
         plain send for ever.)  A receive first spins for ``spin`` seconds."""
         socket = self.sockets[other]
         if event == zmq.POLLIN and self.spin:
@@ -132,18 +134,23 @@ class Peer:
             while time.perf_counter() < spin_until:
                 if socket.poll(0, event):
                     return
-        started = time.monotonic()
+        started = since = time.monotonic()
+        compiling = False
         while not socket.poll(100, event):
             if self.stopping.signum:  # an attribute, set by a signal's handler: nothing to call
                 raise Interrupted
-            waited = time.monotonic() - started
-            if waited > self.timeout and not (what == "the handshake" and
-                                              self.still_compiling(other, waited)):
-                # the one that stopped, rather than one that waits for it as we do
-                late = stopped_workers(self.rundir, self.n, self.rank) or [other]
-                raise PeerError(f"worker {late[0]} did not reach {what} within "
-                                f"{self.timeout if waited < STILL_STARTING_S else waited:g} s "
-                                "(see --timeout)")
+            now = time.monotonic()
+            if compiling or now - since > self.timeout:
+                compiling = what == "the handshake" and self.still_compiling(other, now - started)
+                if compiling:  # no stall: the timeout counts from the compile's end
+                    since = now
+                elif now - since > self.timeout:
+                    # the one that stopped, rather than one that waits for it as we do
+                    late = stopped_workers(self.rundir, self.n, self.rank) or [other]
+                    waited = now - started
+                    raise PeerError(f"worker {late[0]} did not reach {what} within "
+                                    f"{self.timeout if waited < STILL_STARTING_S else waited:g}"
+                                    " s (see --timeout)")
 
     def still_compiling(self, other, waited):
         """Is worker ``other`` alive (its heartbeat, which a compile holding
