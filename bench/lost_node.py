@@ -84,18 +84,18 @@ def strike(fault, node0, node1, hosts, into=0.0):
     return time.monotonic()
 
 
-def come_back(victim, nodes, hosts, again, checkpoint=None, after=10.0):
-    """Once node 0 has trained two epochs, node ``victim``'s machine is
+def come_back(victim, nodes, hosts, again, checkpoint=None, after=10.0, epochs=2):
+    """Once node 0 has trained ``epochs`` epochs, node ``victim``'s machine is
     killed (and, where it is node 0, its checkpoint removed: a replacement
     machine without its files), and ``after`` s later its command is started
     again (``again()``, which returns its process).  Returns (that process,
     the seconds from its start to its workers training again, what it
     printed until then)."""
     for line in nodes[0].stdout:
-        if line.startswith("epoch 2/"):
+        if line.startswith(f"epoch {epochs}/"):
             break
     else:
-        raise RuntimeError(f"node 0 ended before its second epoch: {nodes[0].stderr.read()}")
+        raise RuntimeError(f"node 0 ended before its epoch {epochs}: {nodes[0].stderr.read()}")
     hosts[victim].signal(signal.SIGKILL)
     if checkpoint:
         os.remove(checkpoint)

@@ -12,6 +12,7 @@ in its place, node 0 too: the members kept the run's last checkpoint, and
 give it to node 0 started again.
 """
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -127,7 +128,7 @@ class Lobby(Heartbeats):
         return [standing for _, standing in list(self.members.values())]
 
     def answer(self, frames, reply):
-        self.socket.send_multipart([frames[0].bytes, b"", json.dumps(reply).encode()])
+        send_or_drop(self.socket, [frames[0].bytes, b"", json.dumps(reply).encode()])
 
     def received(self, frames):
         identity, message = frames[0].bytes, json.loads(frames[-1].bytes)
@@ -141,7 +142,8 @@ class Lobby(Heartbeats):
         rank, kept = message["node_rank"], message.get("kept")
         back = self.drop_lost(rank) or bool(kept)
         with self.lock:
-            self.members[identity] = (rank, Standing(f"node {rank} ({address})", self.generation))
+            self.members[identity] = (rank, Standing(f"node {rank} ({address})", self.listened,
+                                                      self.generation))
             self.identities[rank] = identity
             if kept and kept.get("run") != self.run:
                 self.kept[rank] = dict(kept, rank=rank, who=f"node {rank} ({address})")
@@ -186,7 +188,7 @@ class Lobby(Heartbeats):
 
     def beat(self, message):
         for identity in list(self.members):
-            self.socket.send_multipart([identity, b"", message])
+            send_or_drop(self.socket, [identity, b"", message])
 
     def present(self):
         """Has every node of the run a member here that stands?"""
@@ -323,7 +325,8 @@ class Member(Heartbeats):
         self.jax_coordinator, self.run, self.back = answer["jax_coordinator"], answer["run"], \
             answer["back"]
         self.order = answer["order"] or self.order
-        self.node0 = Standing(f"node 0 ({host_and_port(self.address)[0]})", self.generation)
+        self.node0 = Standing(f"node 0 ({host_and_port(self.address)[0]})", self.listened,
+                              self.generation)
         self.start_beating(self.context, member)
 
     def rejoin(self, timeout):
@@ -363,6 +366,8 @@ class Member(Heartbeats):
             self.kept = message["saved"]
         else:
             self.node0.heard_from(message["beat"])
+            return
+        self.node0.heard = self.listened()  # an order or a checkpoint: node 0 speaks
 
     def await_order(self):
         """Node 0's order to start again, once this node has failed, or came
@@ -387,7 +392,7 @@ class Member(Heartbeats):
         pass  # node 0 says only heartbeats
 
     def beat(self, message):
-        self.socket.send_multipart([b"", message])
+        send_or_drop(self.socket, [b"", message])
 
     def __enter__(self):
         return self
@@ -395,6 +400,14 @@ class Member(Heartbeats):
     def __exit__(self, *exc):
         self.stop_beating()
         self.context.term()
+
+
+def send_or_drop(socket, frames):
+    """Send, or drop what cannot go now (the other end gone: its door, its
+    connection): the listening thread that sends must never wait, or its
+    seconds, which time every silence, would stop (``Heartbeats.listened``)."""
+    with contextlib.suppress(zmq.Again):
+        socket.send_multipart(frames, zmq.NOBLOCK)
 
 
 def meet(args, judge, shapes, stack):

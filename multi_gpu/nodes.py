@@ -6,7 +6,10 @@ it (``lobby.py``): from the moment a node is let in, for the whole run, the
 launchers of node 0 and of each member send each other a heartbeat every
 ``BEAT_S`` seconds that says how their node stands (running, failed and
 why, done).  A node not heard from for ``LOST_AFTER`` seconds is lost: a
-cut cable, a machine gone, a node stopped.  The launchers speak for their
+cut cable, a machine gone, a node stopped.  The seconds are the listener's
+own: a machine so busy that the listening thread itself waits its turn
+(tests beside two other suites saw it wait seconds) does not count that
+wait as the other's silence.  The launchers speak for their
 nodes; the workers' own collectives (gloo, NCCL) would wait minutes for a
 peer whose cable is cut, and say nothing of who it was.
 """
@@ -27,6 +30,7 @@ from multi_gpu.cli import UsageError
 
 BEAT_S = 0.5      # seconds between a node's heartbeats
 LOST_AFTER = 5.0  # seconds without a word from a node that has joined: it is lost
+TURN_S = BEAT_S   # the most one turn of the listening thread counts towards a silence
 
 
 def free_port(host="127.0.0.1"):
@@ -147,28 +151,32 @@ class Standing:
     """How a node stands, as its heartbeats tell the others: ``running``,
     ``waiting`` (node 0, for a lost node to come back: ``why``),
     ``failed`` (``why``: what went wrong, in one line), or ``done``; and
-    when it was last heard from.  Its heartbeats count from the run's
+    when it was last heard from, by ``clock``, the listener's seconds
+    (``Heartbeats.listened``).  Its heartbeats count from the run's
     ``generation`` on (each restart is one more: ``--max-restarts``)."""
 
-    def __init__(self, name, generation=0):
-        self.name = name
+    def __init__(self, name, clock, generation=0):
+        self.name, self.clock = name, clock
         self.restart(generation)
 
     def restart(self, generation):
-        self.state, self.why, self.final, self.heard = "running", None, False, time.monotonic()
+        self.state, self.why, self.final, self.heard = "running", None, False, self.clock()
         self.generation, self.waiting = generation, None
+
+    def silent_for(self):
+        return self.clock() - self.heard
 
     def heard_from(self, beat):
         if beat.get("generation", 0) < self.generation:
             return  # an earlier start's last words
-        self.heard = time.monotonic()
+        self.heard = self.clock()
         self.waiting = str(beat.get("why"))[:400] if beat.get("state") == "waiting" else None
         if self.state == "running" and beat.get("state") in ("failed", "done"):
             self.state, self.why = beat["state"], str(beat.get("why"))[:400]
             self.final = beat.get("final") is True
 
     def lost(self):
-        return self.state == "running" and time.monotonic() - self.heard > LOST_AFTER
+        return self.state == "running" and self.silent_for() > LOST_AFTER
 
     def gone(self):
         """Lost, or ended for good (no restart brings it back)."""
@@ -179,7 +187,7 @@ class Standing:
         if self.state == "failed":
             return self.why if self.why.startswith("node ") else f"{self.name}: {self.why}"
         if self.lost():
-            return f"{self.name} lost: not heard from for {time.monotonic() - self.heard:.0f} s"
+            return f"{self.name} lost: not heard from for {self.silent_for():.0f} s"
         return None
 
 
@@ -231,6 +239,13 @@ class Heartbeats(NotNode0):
     where the run starts again (``--max-restarts``), node 0's order to."""
 
     others, generation, order = True, 0, None
+    listened_s = 0.0  # the listener's seconds (``listened``), at its last turn
+
+    def listened(self):
+        """Seconds the listening thread has listened: each of its turns
+        counts, up to ``TURN_S``, so that the time a busy machine keeps it
+        waiting is nobody's silence."""
+        return self.listened_s
 
     def start_beating(self, context, socket):
         self.context, self.socket, self.lock = context, socket, threading.Lock()
@@ -268,7 +283,7 @@ class Heartbeats(NotNode0):
         return order if order and order["generation"] > self.generation else None
 
     def _serve(self):
-        next_beat = 0.0
+        next_beat, turn = 0.0, time.monotonic()
         while self.open:
             # every message that is there, then the beats: a thousand members beat
             # twice a second each, and one message a turn would fall behind them
@@ -282,6 +297,8 @@ class Heartbeats(NotNode0):
                 except Exception:  # whatever a node sends is answered, or dropped
                     self.answer(frames, {"why": "not a dual_mlp.py node"})
             now = time.monotonic()
+            self.listened_s += min(now - turn, TURN_S)
+            turn = now
             with self.lock:
                 outbox, self.outbox = self.outbox, collections.deque()
             for message in outbox:
