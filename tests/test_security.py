@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from multi_gpu import datasets, files, records
-from conftest import (SECRET, SHAPES, dual, finish, leftover_workers, refused, start_dual,
+from conftest import (PACED, SECRET, SHAPES, dual, finish, leftover_workers, refused, start_dual,
                       run_folder_of, wait_for, workers_of)
 from multi_gpu.nodes import free_port
 
@@ -201,7 +201,9 @@ def test_the_one_machine_coordinator_is_out_of_other_users_reach(no_leftovers, n
     the run says); as another user a connection to it fails, and the run
     goes on to its end."""
     address = ("--coordinator", f"127.0.0.1:{free_port()}") if named else ()
-    proc = start_dual("cpu", "cpu", "--exchange", "xla", "--epochs", 3, *address)
+    # paced (8 epochs of at least 1.5 s): the stranger's interpreter, started on a busy
+    # machine, knocks while the run lives
+    proc = start_dual("cpu", "cpu", "--exchange", "xla", "--epochs", 8, *address, env=PACED)
     try:
         said = wait_for(lambda: next((
             line for line in iter(proc.stdout.readline, "")
