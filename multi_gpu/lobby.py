@@ -367,7 +367,7 @@ class Member(Heartbeats):
         else:
             self.node0.heard_from(message["beat"])
             return
-        self.node0.heard = self.listened()  # an order or a checkpoint: node 0 speaks
+        self.node0.spoke()  # an order or a checkpoint
 
     def await_order(self):
         """Node 0's order to start again, once this node has failed, or came

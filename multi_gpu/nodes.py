@@ -166,10 +166,14 @@ class Standing:
     def silent_for(self):
         return self.clock() - self.heard
 
+    def spoke(self):
+        """A word from the node, whatever it said."""
+        self.heard = self.clock()
+
     def heard_from(self, beat):
         if beat.get("generation", 0) < self.generation:
             return  # an earlier start's last words
-        self.heard = self.clock()
+        self.spoke()
         self.waiting = str(beat.get("why"))[:400] if beat.get("state") == "waiting" else None
         if self.state == "running" and beat.get("state") in ("failed", "done"):
             self.state, self.why = beat["state"], str(beat.get("why"))[:400]
