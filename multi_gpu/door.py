@@ -19,18 +19,22 @@ The lobby runs this file as a script, ``python door.py``: it imports zmq
 alone, reads its settings as one JSON line on its standard input, answers
 one JSON line on its standard output once it listens (where the lobby
 finds it, or why it cannot listen), and ends when its standard input
-closes: the launcher ended, however it ended.
+closes or says BYE: the launcher ended, however it ended.
 """
 import json
 import os
 import shutil
 import sys
 import tempfile
+import time
 
 import zmq
 import zmq.auth.thread
 
 HANDSHAKE_MS = 5000  # a connection that has not proved itself by then is dropped
+ALL_SAID = b"all said"  # the lobby's word, after its last words, that they were all
+BYE = b"."  # the launcher's, before it closes the door's input: it closed the lobby
+LAST_WORDS_S = 5.0  # at most, for the lobby's last words after its BYE (a busy machine)
 
 
 class OnlyTheRun:
@@ -64,25 +68,36 @@ def relay(door, lobby, launcher):
     """Pass messages both ways until the launcher's pipe closes: a member's
     as [its identity, the address it came from, the message], the lobby's
     as it sends them (identity first).  Neither side's queue is bounded, so
-    that neither waits on the other."""
+    that neither waits on the other.  A launcher that closed its lobby says
+    BYE: its last words, which reach this process by another way than the
+    pipe, go out first, up to the lobby's ALL_SAID (a machine so busy that
+    they come seconds later still sends them); a launcher killed says
+    nothing, and what it said is passed on within 0.2 s."""
     poller = zmq.Poller()
     for socket in (door, lobby, launcher):
         poller.register(socket, zmq.POLLIN)
+    said = []
 
     def to_lobby(frames):
         address = frames[-1].get("Peer-Address") or "address unknown"
         lobby.send_multipart([frames[0].bytes, address.encode(), frames[-1].bytes])
+
+    def to_members(frames):
+        if len(frames) == 1 and frames[0].bytes == ALL_SAID:
+            said.append(True)
+        else:
+            door.send_multipart(frames)
     while True:
         events = dict(poller.poll())
         if door in events:
             pass_on(door, to_lobby)
         if lobby in events:
-            pass_on(lobby, door.send_multipart)
-        if launcher in events and not os.read(launcher, 1):
-            # the launcher closed the lobby, then this pipe: its last words may
-            # still be on their way here
-            while lobby.poll(200):
-                pass_on(lobby, door.send_multipart)
+            pass_on(lobby, to_members)
+        if launcher in events:
+            bye = os.read(launcher, 1)
+            deadline = time.monotonic() + (LAST_WORDS_S if bye == BYE else 0.2)
+            while not said and lobby.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                pass_on(lobby, to_members)
             return
 
 

@@ -111,11 +111,17 @@ class Lobby(Heartbeats):
         return opened, answer["lobby"]
 
     @staticmethod
-    def close_door(opened, folder=None):
+    def close_door(opened, folder=None, bye=False):
         """The door ends as its input closes, and removes its folder; it is
         killed if it does not end within 10 s (a busy machine), and its
-        folder removed here."""
-        opened.stdin.close()
+        folder removed here.  ``bye``: the lobby has said all, and the door
+        passes on what it said first (``door.relay``)."""
+        with contextlib.suppress(OSError):  # a door that is gone already
+            try:
+                if bye:
+                    opened.stdin.write(door.BYE)
+            finally:
+                opened.stdin.close()
         try:
             opened.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -271,10 +277,13 @@ class Lobby(Heartbeats):
     def __enter__(self):
         return self
 
+    def said_all(self):
+        send_or_drop(self.socket, [door.ALL_SAID])  # behind node 0's last words, on their way
+
     def __exit__(self, *exc):
         self.stop_beating()
         self.context.term()  # its last words gone through to the door,
-        self.close_door(self.door, self.door_folder)  # and on from there
+        self.close_door(self.door, self.door_folder, bye=True)  # and on from there
 
 
 class NoAnswer(Exception):

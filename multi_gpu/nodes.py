@@ -288,7 +288,7 @@ class Heartbeats(NotNode0):
 
     def _serve(self):
         next_beat, turn = 0.0, time.monotonic()
-        while self.open:
+        while self.open or not self.sent or self.outbox:  # its last words go out before it ends
             # every message that is there, then the beats: a thousand members beat
             # twice a second each, and one message a turn would fall behind them
             for _ in range(4096 if self.socket.poll(50) else 0):
@@ -314,11 +314,11 @@ class Heartbeats(NotNode0):
                 next_beat = now + BEAT_S
 
     def stop_beating(self):
-        """After this node's last word has gone out (at most a second)."""
-        for _ in range(20):
-            if self.sent:
-                break
-            time.sleep(0.05)
+        """Once this node's last word has gone out."""
         self.open = False
         self.thread.join()
+        self.said_all()
         self.socket.close(linger=1000)
+
+    def said_all(self):
+        """What follows this node's last word, where anything must (``Lobby``)."""

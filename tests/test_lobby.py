@@ -2,13 +2,19 @@
 own (``bench.lobby``), each its own connection, CURVE handshake, hello and
 heartbeat, as a run of 257 machines would bring them."""
 import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
 import time
 
 import zmq
 
 from bench.lobby import measure
-from multi_gpu.lobby import send_or_drop
-from multi_gpu.nodes import BEAT_S, LOST_AFTER, Heartbeats, Standing
+from multi_gpu import door
+from multi_gpu.lobby import hello, send_or_drop
+from multi_gpu.nodes import BEAT_S, LOST_AFTER, Heartbeats, Standing, curve_keys, free_port
 
 
 def test_node_0_lets_256_members_in_hears_them_all_and_takes_a_lost_one_back():
@@ -31,8 +37,10 @@ class Listener(Heartbeats):
     hears node 0's; a message ``{"busy": S}`` keeps its listening thread
     S seconds (a large checkpoint decoded on a busy machine)."""
 
+    slow_s = 0.0  # each heartbeat it sends takes so long (a machine that keeps it waiting)
+
     def __init__(self, context, socket):
-        self.other = Standing("the other", self.listened)
+        self.other, self.beating = Standing("the other", self.listened), threading.Event()
         self.start_beating(context, socket)
 
     def standings(self):
@@ -46,7 +54,17 @@ class Listener(Heartbeats):
             self.other.heard_from(message["beat"])
 
     def beat(self, message):
+        self.beating.set()
+        time.sleep(self.slow_s)
         send_or_drop(self.socket, [message])
+
+
+def pair(context, name):
+    """Two ends of a zmq PAIR in this process."""
+    a, b = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    a.bind(f"inproc://{name}")
+    b.connect(f"inproc://{name}")
+    return a, b
 
 
 def test_a_listener_kept_waiting_counts_no_silence_but_names_a_silent_node_in_its_own_time():
@@ -56,9 +74,7 @@ def test_a_listener_kept_waiting_counts_no_silence_but_names_a_silent_node_in_it
     falls silent is still named once the listener has listened for
     ``LOST_AFTER`` seconds without a word from it."""
     context = zmq.Context()
-    a, b = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
-    a.bind("inproc://beats")
-    b.connect("inproc://beats")
+    a, b = pair(context, "beats")
     listener, speaker = Listener(context, a), Listener(context, b)
     try:
         time.sleep(2 * BEAT_S)
@@ -77,4 +93,69 @@ def test_a_listener_kept_waiting_counts_no_silence_but_names_a_silent_node_in_it
         assert LOST_AFTER - 2 * BEAT_S <= named_after < LOST_AFTER + 2, named_after
     finally:
         listener.stop_beating()
+        context.destroy(linger=0)
+
+
+def test_a_nodes_last_word_goes_out_however_long_its_thread_is_kept_from_sending_it():
+    """A node's last word (failed, and why) is told as its thread sends an
+    earlier beat that a busy machine keeps it in for seconds: it still goes
+    out before the node stops beating (a member that missed node 0's named
+    node 0 lost instead of the node that was)."""
+    context = zmq.Context()
+    a, b = pair(context, "last-word")
+    listener, speaker = Listener(context, a), Listener(context, b)
+    try:
+        speaker.slow_s = 1.5
+        speaker.beating.clear()
+        speaker.beating.wait(5)
+        speaker.tell("failed", "node 8 (10.77.0.9) lost", final=True)
+        speaker.stop_beating()
+        deadline = time.monotonic() + 5
+        while listener.other.state == "running" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert listener.other.verdict() == "node 8 (10.77.0.9) lost"
+    finally:
+        listener.stop_beating()
+        context.destroy(linger=0)
+
+
+def test_node_0s_door_passes_on_its_last_words_that_reach_it_after_the_launcher_said_bye():
+    """Node 0's door (``door.py``) sends its members what node 0's lobby
+    said last, up to its word that it said all, though those words reach
+    the door a second after the launcher's bye (a busy machine); then it
+    ends and leaves nothing."""
+    secret, address = secrets.token_urlsafe(24), f"127.0.0.1:{free_port()}"
+    public, private = curve_keys(secret)
+    opened = subprocess.Popen([sys.executable, door.__file__], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    context = zmq.Context()
+    try:
+        opened.stdin.write(json.dumps(dict(address=address, public=public.decode(),
+                                           private=private.decode(), message_limit=1 << 16,
+                                           nodes=2)).encode() + b"\n")
+        opened.stdin.flush()
+        inner = json.loads(opened.stdout.readline())["lobby"]
+        lobby = context.socket(zmq.PAIR)
+        lobby.connect(f"ipc://{inner}")
+        member = context.socket(zmq.DEALER)
+        member.curve_serverkey, member.curve_publickey, member.curve_secretkey = public, public, \
+            private
+        member.connect(f"tcp://{address}")
+        member.send_multipart([b"", hello(1, {})])
+        assert lobby.poll(10_000), "the member's hello did not reach the lobby"
+        identity = lobby.recv_multipart()[0]
+        opened.stdin.write(door.BYE)
+        opened.stdin.close()
+        time.sleep(1)
+        lobby.send_multipart([identity, b"", b"node 0's last word"])
+        lobby.send_multipart([door.ALL_SAID])
+        assert member.poll(10_000), "node 0's last word did not reach its member"
+        assert member.recv_multipart()[-1] == b"node 0's last word"
+        assert opened.wait(10) == 0
+        assert not os.path.exists(os.path.dirname(inner))
+    finally:
+        if opened.poll() is None:
+            opened.kill()
+        opened.wait()
+        opened.stdout.close()
         context.destroy(linger=0)
