@@ -169,11 +169,18 @@ def start_dual(*args, env=None, cwd=ROOT, mine=True, host=None):
     command = [sys.executable, str(ROOT / "dual_mlp.py"), *map(str, args)]
     proc = subprocess.Popen(host.runs(command) if host else command,
                             cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
+                            stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=as_from_a_terminal)
     STARTED.append(proc)
     if mine:
         LAUNCHERS.add(proc.pid)
     return proc
+
+
+def as_from_a_terminal():
+    """A run's SIGHUP as a terminal's shell leaves it, though the tests run
+    under nohup (as CI's may): the launcher keeps a SIGHUP it finds ignored."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 SECRET = "a secret of the tests' own runs"  # what their nodes share (DUAL_MLP_SECRET)
