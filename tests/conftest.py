@@ -164,7 +164,7 @@ def refused(capsys, *args, name="dual_mlp.py", typed=False):
 def start_dual(*args, env=None, cwd=ROOT, mine=True, host=None):
     """Start dual_mlp.py in its own process group, without waiting; ``mine``:
     as one of the tests' runs (else as a run of someone else's); ``host``:
-    in that test host (``bench.hosts.Host``), with gloo on its interface."""
+    in that test host (``bench.testhosts.Host``), with gloo on its interface."""
     env = environment(env) if mine else dict(os.environ, **(env or {}))
     command = [sys.executable, str(ROOT / "dual_mlp.py"), *map(str, args)]
     proc = subprocess.Popen(host.runs(command) if host else command,
@@ -290,7 +290,21 @@ OLDER_FOLDERS = run_folders()  # another run's, or a dead one's, whose pid a tes
 def run_directories():
     """The run folders of the tests' launchers that exist now."""
     return {p for p in run_folders() - OLDER_FOLDERS
-            if p.name.split("-")[1].isdigit() and int(p.name.split("-")[1]) in LAUNCHERS}
+            if p.name.split("-")[1].isdigit() and launched_here(int(p.name.split("-")[1]))}
+
+
+def launched_here(pid):
+    """Was ``pid`` one of this process's tests' launchers, and, while it
+    lives, is it still?  Beside two other suites the machine's 32768 pids
+    come round in minutes: another suite's launcher may get one of ours."""
+    if pid not in LAUNCHERS:
+        return False
+    try:
+        return psutil.Process(pid).environ().get("DUAL_MLP_TESTS") == TOKEN
+    except psutil.NoSuchProcess:  # ended (a zombie too): its folder was ours to remove
+        return True
+    except psutil.Error:
+        return False
 
 
 @pytest.fixture(autouse=True)

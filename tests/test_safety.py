@@ -399,10 +399,10 @@ def test_a_hangup_or_user_signal_stops_the_run_in_one_line_and_frees_its_checkpo
             caught = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
         assert all(caught >> (s - 1) & 1 for s in cli.STOP_SIGNALS), (pid, hex(caught))
     proc.send_signal(signum)
-    code, took, err = finish(proc, timeout=15)
+    code, took, err = finish(proc, timeout=40)
     # within the stop's own deadlines (SIGTERM, 2 s, SIGKILL, 2 s) and its clean-up, which a
-    # busy machine stretches (a full suite saw 5.2 s)
-    assert code == 128 + signum and took < 8
+    # busy machine stretches (a full suite saw 5.2 s; beside two other suites, 11.5 s)
+    assert code == 128 + signum and took < 30
     interrupted(err, signal.Signals(signum).name, ckpt)
     assert not (tmp_path / ".m.npz.lock").exists()
     assert records.load_checkpoint(str(ckpt), SHAPES, records.TRAINING_STATE)[2]["epoch"] >= 1
@@ -512,7 +512,8 @@ def test_a_disk_without_room_for_a_checkpoint_is_found_before_training(tmp_path,
     ("dual_mlp.py", "cpu cpu --epochs 2 --batch-size 20",
      ["could not write {disk}/m.npz (No space left on device)"] * 2 +
      ["no checkpoint could be written to {disk}/m.npz"]),
-    ("mlp.py", "--epochs 1", ["mlp.py: error: could not write {disk}/m.npz: No space left"])])
+    # mlp.py writes at its end: enough epochs for the filler to come first on a busy machine
+    ("mlp.py", "--epochs 50", ["mlp.py: error: could not write {disk}/m.npz: No space left"])])
 def test_a_disk_that_fills_mid_run_is_a_failure_naming_the_file(tmp_path, name, args, ends):
     """A disk that fills once training has begun: dual_mlp.py warns at every
     epoch and, as it could write no checkpoint at all, exits 1 saying so;

@@ -202,9 +202,10 @@ def test_the_folder_of_a_door_killed_with_its_node_0_goes_with_a_later_run():
     node0 = start_node(free_port(), 0, "--epochs", 1)
     launcher = psutil.Process(node0.pid)
     door = wait_for(lambda: child_running(launcher, "door.py"), 60, "the door")
-    folder, = wait_for(lambda: run_directories() - before, 30, "the door's folder")
+    # (the door makes its folder, then its socket there)
+    folder, = wait_for(lambda: {f for f in run_directories() - before
+                                if (f / "lobby.sock").exists()}, 30, "the door's socket")
     assert folder.name.startswith(f"dual_mlp-{node0.pid}-door-")
-    assert (folder / "lobby.sock").exists()
     for p in (door, launcher):
         p.kill()
     node0.communicate()
