@@ -23,12 +23,11 @@ Worker k of N holds a full replica and trains on the minibatches whose index
 is k modulo N; after the average, the replicas have taken one SGD step on a
 minibatch N times the size.
 
-The file, top to bottom: the configuration (2014's ``shared_args``); the
-transports (``CudaIpcTransport``; ``HostTransport`` for CPUs) and
-``barrier``; the trainers ``HostOrdered`` (the step above), ``GpuOrdered``
-(``--sync gpu``: phases 2-6 as one kernel) and ``XlaOrdered`` (``--exchange
-xla``: a ``pmean`` in the compiled step); ``worker``; ``main``, the
-launcher.  The plumbing is in the package ``multi_gpu/``, a named call away.
+Top to bottom: the configuration (2014's ``shared_args``); the transports
+(``CudaIpcTransport``; ``HostTransport`` on CPUs); every zmq call; the
+trainers ``HostOrdered`` (the step above) and ``GpuOrdered`` (``--sync gpu``:
+phases 2-6 as one kernel); ``worker``; ``main``, the launcher.  Past two GPUs
+or one machine, JAX's runtime runs the step (``multi_gpu/xla_runtime.py``).
 """
 import signal
 import sys
@@ -50,14 +49,17 @@ import zmq
 
 import mlp
 from logistic_sgd import load_data
-from multi_gpu import (cli, datasets, devices, files, links, records, report, request,
-                       restarts, trace, xla_cache)
+from multi_gpu import (cli, datasets, devices, files, records, report, request, restarts,
+                       trace, xla_cache)
 from multi_gpu.devices import place, storage
-from multi_gpu.links import Layout, XlaExchange
-from multi_gpu.trainer import (AHEAD, DeviceOrdered, Peer, PeerError, StepClock, Trainer,
-                               averages_after, averages_in, local_sgd, mean_in_rank_order,
-                               minibatch)
-from multi_gpu.worker import run_worker, stop_point, stopping
+from multi_gpu.hooks import Interrupted, stop_point, stopping
+from multi_gpu.sockets import HANDSHAKE, Peer, PeerError
+from multi_gpu.stream_exchange import StreamExchange
+from multi_gpu.trainer import (DeviceOrdered, StepClock, Trainer, averages_after, local_sgd,
+                               mean_in_rank_order, minibatch)
+from multi_gpu.transports import Layout, StagedCudaTransport
+from multi_gpu.worker import run_worker
+from multi_gpu.xla_runtime import XlaExchange, XlaOrdered
 
 # -----------------------------------------------------------------------------
 # configuration: the 2014 demo's shared_args
@@ -70,9 +72,10 @@ SEED = 1234
 SHIPPED_BATCH_SIZE = 100   # the shipped 3,000 training digits hold no two minibatches of 5,000
 TIMEOUT = 120.0            # seconds a worker waits for the others before it reports them stalled
 STEPS_PER_CALL = 10        # steps in one compiled call (--sync gpu, xla), at most an epoch
-# the exchange's defaults, by hardware; --exchange: p2p on one machine for two workers, for
-# CPUs, or GPUs shared, else xla (request.check_exchange applies them, refusing what can't run)
+# the exchange's defaults (request.check_exchange applies them, refusing what cannot run)
 CHOICES = {
+    "exchange": {"one machine": "p2p",  # 2 workers, CPUs or GPUs shared: the 2014 exchange
+                 "more": "xla"},        # GPUs past two, several machines: JAX's runtime
     "sync": {"gpu": "gpu",      # the GPUs order phases 2-6, one kernel at the step's end
              "cpu": "host"},    # the 2014 loop: the only way on CPUs
     "avg": {"gpu": "theano",    # as in 2014: a compiled function whose updates are the means
@@ -138,14 +141,12 @@ class CudaIpcTransport:
 
 
 class HostTransport:
-    """The same calls between CPU workers, the laptop's transport: a send
-    buffer is a file in the run's private folder that every worker maps
-    (``np.memmap``); its name is the handle.  Nothing needs copying out of
-    the others' buffers, so the copy (phase 4) is each worker's share of the
-    mean: worker k of N sums the k-th N-th of every send buffer, in rank
-    order, into one more mapped file (``mean.bin``); after the second signal
-    every worker's weights are that mean, read where it lies (phase 6).  Each
-    element is summed once, by one worker: the replicas hold the same bits."""
+    """The same calls between CPU workers: a send buffer is a file in the
+    run's private folder that every worker maps (``np.memmap``); its name is
+    the handle.  The copy (phase 4) is each worker's share of the mean: worker
+    k of N sums the k-th N-th of every send buffer, in rank order, into one
+    more mapped file (``mean.bin``), which every worker's weights then are
+    (phase 6).  Each element is summed by one worker: the same bits everywhere."""
 
     route = "host memory"
 
@@ -205,10 +206,27 @@ def transport(device, rundir, rank, world, layout, staged):
     """The host-ordered transport: PyCUDA peer to peer between GPUs, else
     through host memory (CPUs; ``staged``, GPUs without peer access)."""
     if staged:
-        return links.StagedCudaTransport(rundir, rank, world, layout, device)
+        return StagedCudaTransport(rundir, rank, world, layout, device)
     if device.name == "cpu":
         return HostTransport(rundir, rank, world, layout, device)
     return CudaIpcTransport(rank, world, layout, device)
+
+
+def wait_for_worker(peer, other, event, what):
+    """Waiting for a later worker: until the socket to ``other`` can send or
+    receive (``event``), polled in slices (a PAIR socket whose peer is gone
+    blocks a plain send for ever); a stop request or --timeout ends it.  A
+    receive first spins ``peer.spin`` s (GPUs: a wake-up costs microseconds)."""
+    socket, spin_until = peer.sockets[other], time.perf_counter() + peer.spin
+    while event == zmq.POLLIN and time.perf_counter() < spin_until:
+        if socket.poll(0, event):
+            return
+    started = since = time.monotonic()
+    while not socket.poll(100, event):
+        if stopping.signum:  # an attribute, set by a signal's handler: nothing to call
+            raise Interrupted
+        if time.monotonic() - since > peer.timeout or since > started:  # or still compiling
+            since = peer.overdue(other, what, started, since)  # PeerError, or counts anew
 
 
 def barrier(peer):
@@ -217,15 +235,15 @@ def barrier(peer):
     holds the barrier's number (all must be at the same) and when its sender
     arrived: returns (the seconds I waited for the last, its rank).  2014
     signalled through ``multiprocessing.Queue``s, which join one process's
-    children only and wait for ever; ``peer.ready`` times out (--timeout)."""
+    children only and wait for ever; this wait times out (--timeout)."""
     peer.barriers += 1
     arrived, what = time.perf_counter(), f"barrier {peer.barriers}"
     for other, socket in peer.sockets.items():
-        peer.ready(other, zmq.POLLOUT, what)
+        wait_for_worker(peer, other, zmq.POLLOUT, what)
         socket.send(struct.pack("<qd", peer.barriers, arrived), zmq.NOBLOCK)
     last, latest = arrived, peer.rank
     for other, socket in peer.sockets.items():
-        peer.ready(other, zmq.POLLIN, what)
+        wait_for_worker(peer, other, zmq.POLLIN, what)
         count, their_arrival = struct.unpack("<qd", socket.recv(zmq.NOBLOCK))
         if count != peer.barriers:
             raise PeerError(f"workers out of step: at {what}, worker {other} is at {count}")
@@ -234,17 +252,47 @@ def barrier(peer):
     return last - arrived, latest
 
 
+def swap(peer, mine, what=HANDSHAKE):
+    """Send ``mine`` to every other worker, as 2014's handshake did
+    (``send_pyobj``, ``recv_pyobj``); returns every worker's, in rank order,
+    mine included (the handles, once; the replica check)."""
+    for other, socket in peer.sockets.items():
+        wait_for_worker(peer, other, zmq.POLLOUT, what)
+        socket.send_pyobj(mine, zmq.NOBLOCK)
+    theirs = {}
+    for other, socket in peer.sockets.items():
+        wait_for_worker(peer, other, zmq.POLLIN, what)
+        theirs[other] = socket.recv_pyobj(zmq.NOBLOCK)
+    return [mine if other == peer.rank else theirs[other] for other in range(peer.n)]
+
+
+def swap_handles(peer, drv, *buffers):
+    """My PyCUDA ``buffers``' CUDA IPC handles (``drv.mem_get_ipc_handle``),
+    swapped once; returns every worker's buffers, in rank order: mine, and
+    the others' opened in my context (``drv.IPCMemoryHandle``)."""
+    everyone = swap(peer, [drv.mem_get_ipc_handle(b) for b in buffers])
+    return [buffers if w == peer.rank else [drv.IPCMemoryHandle(h) for h in handles]
+            for w, handles in enumerate(everyone)]
+
+
+def gather(peer, array):
+    """Every worker's ``array``, stacked in rank order (the replica check)."""
+    return np.stack(swap(peer, array, "the replica check"))
+
+
 class HostOrdered(Trainer):
     """``--sync host``: the 2014 loop.  The host waits for its device after
     each phase and the workers meet at zmq barriers, so each phase is timed."""
 
-    def __init__(self, rank, world, model, device, peer, rundir, avg, staged, check,
+    def __init__(self, rank, world, model, device, peer, *, rundir, avg, staged, check,
                  average_every=1):
-        super().__init__(rank, world, model, peer, check, average_every)
-        self.device, self.peer = device, peer
+        super().__init__(rank, world, model, gather=functools.partial(gather, peer), check=check,
+                         average_every=average_every)
+        self.device, self.peer, self.avg = device, peer, avg
         self.transport = transport(device, rundir, rank, world, Layout.of(model.params), staged)
-        self.mean = self.make_average(avg, self.transport.layout)
-        model.warm_up(self.mean, put=device.put)
+        if avg == "theano":
+            self.compiled_average = self.compile_average(self.transport.layout)
+        model.warm_up(self.average_all, put=device.put)
         self.route = f"{self.transport.route}, ordered by the host, --avg {avg}"
         self.clock = StepClock(rank, self.transport.layout.nbytes)  # runs and times each phase
 
@@ -252,7 +300,7 @@ class HostOrdered(Trainer):
         """Swap the send buffers' handles once, as 2014's ``send_pyobj`` and
         ``recv_pyobj`` did, and open the others'."""
         mine = self.transport.handle()        # my send buffer's IPC handle (CPU: its file)
-        everyone = self.peer.exchange(mine)   # every worker's, in rank order, over zmq, once
+        everyone = swap(self.peer, mine)      # every worker's, in rank order, over zmq, once
         self.transport.connect(everyone)      # open the others' (drv.IPCMemoryHandle)
         self.read_where_received()
 
@@ -283,9 +331,21 @@ class HostOrdered(Trainer):
         return self.written()
 
     def average_all(self):
-        """6. Every parameter set to the mean of everyone's (``--avg``), summed
-        in rank order everywhere (2014: ``param + param_other``): the same bits."""
-        self.mean()
+        """6. Every parameter set to the mean of every worker's, from where the
+        copies left it (the transport's ``received``), summed in rank order
+        everywhere (2014: ``param + param_other``): the same bits."""
+        params, received, layout = self.model.params, self.transport.received, \
+            self.transport.layout
+        if self.avg == "theano":    # as in 2014: a compiled function whose updates are the means
+            self.compiled_average()
+        elif self.avg == "pycuda":  # as in 2014: a PyCUDA kernel, in place on JAX's buffers
+            self.device.average_in_place(params, received, layout)
+        elif self.avg == "shared":  # CPUs: the mean the workers summed, read where it lies
+            self.transport.average(params)
+        else:                       # "cpu": the mean taken on the host, put back on the device
+            slots = layout.slots([self.device.to_host(b) for b in received])
+            for i, p in enumerate(params):
+                place(p, self.device.put(mean_in_rank_order([slot[i] for slot in slots])))
         return self.written()
 
     def written(self):
@@ -295,30 +355,19 @@ class HostOrdered(Trainer):
         self.device.wait(new)
         return new
 
-    def make_average(self, kind, layout):
-        """The ``--avg`` variants: every parameter set to the mean of every
-        worker's, from where the copies left it (the transport's ``received``)."""
-        params, device = self.model.params, self.device
-        if kind == "theano":  # as in 2014: a compiled function whose updates are the means
-            self.everyone = [pytensor.shared(np.zeros(b.size, layout.dtype), name=f"all{i}")
-                             for i, b in enumerate(self.transport.received)]
-            self.read_where_received()
-            slots = layout.slots(self.everyone)
-            # (alloc: a slot of a size-1 dimension, --n-hidden 1, is broadcastable,
-            # which the parameter's type is not; XLA copies nothing for it)
-            return pytensor.function([], [], mode=device.mode, updates=[
-                (p, pt.alloc(mean_in_rank_order([slot[i] for slot in slots]), *p.shape))
-                for i, p in enumerate(params)])
-        if kind == "shared":  # the laptop's: the mean HostTransport's workers summed
-            return lambda: self.transport.average(params)
-        if kind == "pycuda":  # as in 2014: a CUDA kernel, in place on the buffers JAX handed back
-            return lambda: device.average_in_place(params, self.transport.received, layout)
-
-        def through_host():
-            slots = layout.slots([device.to_host(b) for b in self.transport.received])
-            for i, p in enumerate(params):
-                place(p, device.put(mean_in_rank_order([slot[i] for slot in slots])))
-        return through_host
+    def compile_average(self, layout):
+        """``--avg theano``: a PyTensor function whose updates set every
+        parameter to the mean of every worker's, read where the copies left
+        them (``read_where_received``)."""
+        self.everyone = [pytensor.shared(np.zeros(b.size, layout.dtype), name=f"all{i}")
+                         for i, b in enumerate(self.transport.received)]
+        self.read_where_received()
+        slots = layout.slots(self.everyone)
+        # (alloc: a slot of a size-1 dimension, --n-hidden 1, is broadcastable,
+        # which the parameter's type is not; XLA copies nothing for it)
+        return pytensor.function([], [], mode=self.device.mode, updates=[
+            (p, pt.alloc(mean_in_rank_order([slot[i] for slot in slots]), *p.shape))
+            for i, p in enumerate(self.model.params)])
 
     def read_where_received(self):
         """The compiled average's inputs: the transport's buffers, read in place."""
@@ -344,17 +393,18 @@ class GpuOrdered(DeviceOrdered):
 
     route = "CUDA IPC, peer to peer, ordered by the GPUs"
 
-    def __init__(self, rank, world, model, device, peer, check, watchdog, steps_per_call,
-                 average_every=1, exchange=None):
+    def __init__(self, rank, world, model, device, peer, *, check, watchdog, steps_per_call,
+                 average_every=1, exchange=StreamExchange):
         import jax
-        if exchange is None:
-            from multi_gpu.stream_exchange import StreamExchange as exchange
-
-        super().__init__(rank, world, model, peer, check, watchdog, steps_per_call, average_every)
+        super().__init__(rank, world, model, gather=functools.partial(gather, peer), check=check,
+                         watchdog=watchdog, steps_per_call=steps_per_call,
+                         average_every=average_every)
+        self.peer, self.device = peer, device
         model.warm_up(put=device.put)
         gradients, self.data = devices.jax_train_step(model, gradients=True)
         train, _ = devices.jax_train_step(model)  # the same model's data, in the same order
-        self.exchange = exchange(rank, world, Layout.of(model.params), model.learning_rate)
+        self.exchange = self.stamper = exchange(rank, world, Layout.of(model.params),
+                                                model.learning_rate)
 
         def step(data, counter, *params):
             index = minibatch(counter, rank, world, self.n_steps)  # this worker's minibatch
@@ -375,11 +425,10 @@ class GpuOrdered(DeviceOrdered):
         self._weights(*self.state)  # compiled now, not in the first epoch
 
     def program(self, steps):
-        """Compiled, not run (no peer yet): a call of the jitted function takes
-        JAX's fast dispatch (a compiled-ahead one with a callback costs about
-        180 us more of host per call on an H200 host).  The whole state is
-        donated and nothing else returned, so XLA writes every step into the
-        same buffers and the exchange's captured launch stays valid."""
+        """Compiled, not run (no peer yet), and called jitted: JAX's fast
+        dispatch (compiled ahead, 180 us more of host a call on an H200 host).
+        The whole state is donated and nothing else returned: XLA writes every
+        step into the same buffers, and the kernel's captured launch holds."""
         import jax
         program = jax.jit(local_sgd(self.own_step, self.one_step, steps, self.average_every),
                           donate_argnums=tuple(range(1, 1 + len(self.state))))
@@ -388,7 +437,9 @@ class GpuOrdered(DeviceOrdered):
         return program
 
     def handshake(self):
-        self.exchange.connect(self.link.exchange(self.exchange.handle()))
+        """The kernel's send slots and flags, two PyCUDA buffers, swapped once."""
+        self.exchange.connect(swap_handles(self.peer, self.device.drv, self.exchange.send,
+                                           self.exchange.flags))
 
     def queue(self, steps):
         self.state = self.programs[steps](self.data, *self.state)
@@ -400,94 +451,28 @@ class GpuOrdered(DeviceOrdered):
     def device_weights(self):
         return self._weights(*self.state)
 
-    def trace(self, tracer):
-        """--trace; on a GPU the kernel stamps its own phases (``StreamExchange.trace``)."""
-        super().trace(tracer)
-        if hasattr(self.exchange, "trace"):  # the stand-ins on CPUs have no GPU clock
-            self.exchange.trace((AHEAD + 2) * averages_in(self.steps_per_call,
-                                                          self.average_every))
-
-    def device_spans(self, marker, step, steps, call, start, now):
-        """The kernel's stamps of the call's exchanges, for ``finish`` to draw."""
-        if getattr(self.exchange, "stamps", None) is None:
-            return super().device_spans(marker, step, steps, call, start, now)
-        if self.tracer.traces(step, steps):  # the steps that end on an exchange
-            self.exchange.keep_stamps([step + i for i in range(steps) if
-                                       averages_after(i, steps, self.average_every)], marker, call)
-
     def finish(self):  # both GPUs are done: neither send buffer is read any more
-        barrier(self.link)
+        barrier(self.peer)
         self.exchange_steps = self.exchange.steps_done()
-        if getattr(self.exchange, "stamps", None) is not None:
-            self.exchange.draw_stamps(self.tracer, self.rank)
+        self.draw_stamps()
         self.exchange.close()
-
-    def report(self):
-        return dict(super().report(), exchange_callbacks=self.exchange.callbacks)
-
-
-class XlaOrdered(DeviceOrdered):
-    """``--exchange xla``: the mean as an XLA all-reduce inside the step, run by
-    JAX's distributed runtime (NCCL, or gloo on CPUs): several machines, or GPUs past two."""
-
-    route = "an XLA all-reduce (JAX's distributed runtime)"
-
-    def __init__(self, rank, world, model, device, xla, check, watchdog, steps_per_call,
-                 average_every=1):
-        super().__init__(rank, world, model, xla, check, watchdog, steps_per_call, average_every)
-        model.warm_up(put=device.put)
-        train, data = devices.jax_train_step(model)
-
-        def step(data, counter, params, cost, average=True):
-            index = minibatch(counter, xla.rank(), world, self.n_steps)  # this worker's minibatch
-            cost, new = train(index, data, params)                       # 1. train
-            if average:                                                  # 2.-6. all-reduce
-                new = [xla.mean(p) for p in new]
-            return counter + 1, new, cost[None]
-
-        self.one_step, self.xla = step, xla
-        self.own_step = functools.partial(step, average=False)  # local SGD: no all-reduce
-        self.data = [xla.replicated(d) for d in data]
-        self.state = (xla.replicated(device.put(np.int32(0))),
-                      [xla.replicated(storage(p)) for p in model.params])
-        self.compile()
-
-    def program(self, steps):
-        import jax.numpy as jnp
-        loop = local_sgd(self.own_step, self.one_step, steps, self.average_every)
-
-        def call(data, counter, params):  # the marker: each worker's cost of the last step
-            return loop(data, counter, params, jnp.zeros(1, params[0].dtype))
-        return self.xla.program(call).lower(self.data, *self.state).compile()
-
-    def queue(self, steps):
-        *self.state, cost = self.programs[steps](self.data, *self.state)
-        return cost
-
-    def done(self, cost):  # ready, and raises where its all-reduce lost a worker (a node gone)
-        return cost.is_ready() and cost.block_until_ready() is not None
-
-    def device_weights(self):
-        return [self.link.local(p) for p in self.state[1]]
-
-    def finish(self):
-        self.exchange_steps = int(np.asarray(self.link.local(self.state[0])))
 
 
 def make_trainer(args, rank, world, model, device, rundir, xla, watchdog, cleanup):
     """The trainer of the ordering asked for (see the module's text)."""
+    how = dict(check=args.check, average_every=args.average_every)
     if xla:
-        return XlaOrdered(rank, world, model, device, xla, args.check, watchdog,
-                          args.steps_per_call, args.average_every)
+        return XlaOrdered(rank, world, model, device, xla, watchdog=watchdog,
+                          steps_per_call=args.steps_per_call, **how)
     # ipc:// sockets in the run's private folder, where 2014 bound TCP port 5000 on every
     # interface: nothing to collide with, nothing another user can reach
-    peer = Peer(rundir, rank, world, args.timeout, stopping, device.spin)
+    peer = Peer(rundir, rank, world, timeout=args.timeout, spin=device.spin)
     cleanup.callback(peer.close)
     if args.sync == "gpu":
-        return GpuOrdered(rank, world, model, device, peer, args.check, watchdog,
-                          args.steps_per_call, args.average_every)
-    return HostOrdered(rank, world, model, device, peer, rundir, args.avg, args.staged,
-                       args.check, args.average_every)
+        return GpuOrdered(rank, world, model, device, peer, watchdog=watchdog,
+                          steps_per_call=args.steps_per_call, **how)
+    return HostOrdered(rank, world, model, device, peer, rundir=rundir, avg=args.avg,
+                       staged=args.staged, **how)
 
 
 # -----------------------------------------------------------------------------
@@ -517,7 +502,8 @@ def worker(args, rank, world, dev, rundir, watchdog):
             trainer = make_trainer(args, rank, world, model, device, rundir, xla, watchdog,
                                    cleanup)
             cleanup.callback(trainer.close)
-            trainer.start()
+            trainer.handshake()    # once, before the loop, as 2014's: the buffers' handles
+            trainer.check_start()  # every replica starts from the same weights
             watchdog.follow(trainer, progress.epoch)
             tracer = args.trace and trace.Tracer(rank, (args.trace_from - 1 - progress.epoch) *
                                                  trainer.n_steps, args.trace_steps)
@@ -526,8 +512,10 @@ def worker(args, rank, world, dev, rundir, watchdog):
         if args.resume:
             say(f"... resumed from {args.resume} at epoch {progress.epoch}")
 
-        n_steps = trainer.n_steps
-        say(report.training(args, world, n_steps, trainer.route))
+        n_steps, nodes = trainer.n_steps, f" x {args.nodes} nodes" if args.nodes > 1 else ""
+        say(f"... training: {world} workers on {', '.join(args.devices)}{nodes}, "
+            f"{args.batch_size} images per worker per step, {cli.counted(n_steps, 'step')} per "
+            f"epoch; weights through {trainer.route}")
         start_time = time.perf_counter()
         for epoch in range(progress.epoch + 1, args.epochs + 1):
             epoch_start = time.perf_counter()
@@ -536,20 +524,31 @@ def worker(args, rank, world, dev, rundir, watchdog):
             progress.trained(n_steps, epoch_time)
             samples_per_s = world * n_steps * args.batch_size / epoch_time
             if rank != 0:  # worker 0 validates and keeps the checkpoint
-                say(report.trained(args, epoch, n_steps, samples_per_s))
+                say(f"node {args.node_rank}: epoch {epoch}/{args.epochs}: "
+                    f"{cli.counted(n_steps, 'step')} per worker ({samples_per_s:,.0f} "
+                    "samples/s); node 0 validates")
                 continue
             trainer.to_model()
             report.check_finite(model.get_params(), epoch, args.learning_rate, args.l1, args.l2)
             with trace.timed(tracer, "validate"):  # drawn at the step the others wait there
                 progress.validated(epoch, float(model.validate_model()), model.test_model,
                                    model.get_params)
-            say(report.validated(args, epoch, n_steps, world, progress, samples_per_s))
+            say(f"epoch {epoch}/{args.epochs}: {cli.counted(n_steps, 'step')} per worker "
+                f"({cli.counted(world * n_steps, 'minibatch', 'minibatches')} of "
+                f"{args.batch_size}), validation error "
+                f"{progress.validation_errors[-1] * 100.:.2f} %  ({samples_per_s:,.0f} samples/s)")
             if args.save:
                 progress.save(args.save, model.get_params(), args.trained_with, args.run_id)
         trainer.finish()
         if rank == 0:
+            say(f"Optimization complete. Best validation error "
+                f"{progress.best_validation_error * 100.:.2f} %, test error of that model "
+                f"{progress.test_error * 100.:.2f} %{report.lower(progress)}")
+            samples_per_s, step_us = speeds = report.speed(args, progress, trainer, world)
+            say(f"Trained at {samples_per_s:,.0f} samples/s ({world} workers), "
+                f"{step_us['step']:.0f} us per step{report.phases(step_us)}")
             report.summarise(args, progress, trainer, n_steps, world,
-                             time.perf_counter() - start_time, device, say)
+                             time.perf_counter() - start_time, device, say, speeds)
             progress.check_saved(args.save)
         if tracer:
             report.timeline(args, tracer, rundir, trainer, device, say)
@@ -567,8 +566,9 @@ def main(argv=None):
     with ExitStack() as run:
         cli.keep_going_without_readers()  # it will hold locks, folders, workers: release them
         # the request checked, its outputs held, its private folder named, the other nodes met
-        rundir, link = request.prepare(args, shapes, run, BATCH_SIZE, SHIPPED_BATCH_SIZE,
-                                       STEPS_PER_CALL, EPOCHS, CHOICES)
+        rundir, link = request.prepare(
+            args, shapes, run, batch_size=BATCH_SIZE, shipped_batch_size=SHIPPED_BATCH_SIZE,
+            steps_per_call=STEPS_PER_CALL, epochs=EPOCHS, choices=CHOICES)
         # each worker is forked from here, as in 2014, and runs worker() in its own process;
         # JAX and PyTensor are imported, never started: JAX's threads and CUDA would not
         # survive the fork (2014 forked first, then imported Theano)

@@ -6,7 +6,7 @@
 The copy each step of ``--sync host`` makes, alone.  Two processes,
 each bound to one GPU as ``dual_mlp.py``'s workers are: the first allocates
 a buffer with PyCUDA and sends its CUDA IPC handle over the project's zmq
-link (``trainer.Peer``); the second opens it and times device-to-device
+link (``sockets.Peer``, ``dual_mlp.swap``); the second opens it and times device-to-device
 copies from it into its own memory (the peer-to-peer pull every step of the
 demo makes), with CUDA events on the copying stream.  Beside it, the same
 copies in one process that sees both GPUs (a plain peer copy).  Sizes from
@@ -113,15 +113,15 @@ def primary_context(drv, index):
 def owner(args):
     """Process 1: holds the source buffer and shares it by CUDA IPC."""
     import pycuda.driver as drv
-    from multi_gpu.trainer import Peer
-    from multi_gpu.worker import stopping
+    from dual_mlp import swap
+    from multi_gpu.sockets import Peer
     drv.init()
     context = primary_context(drv, 0)
     src = gpu_memory(drv, (args.max_mb << 20) + 4, fill=True)
-    peer = Peer(args.rundir, 0, 2, args.timeout, stopping)
+    peer = Peer(args.rundir, 0, 2, timeout=args.timeout)
     try:
-        peer.exchange(drv.mem_get_ipc_handle(src))
-        peer.exchange("done", "the end of the copies")  # the reader is done with src
+        swap(peer, drv.mem_get_ipc_handle(src))
+        swap(peer, "done", "the end of the copies")  # the reader is done with src
     finally:
         peer.close()
         src.free()
@@ -131,18 +131,18 @@ def owner(args):
 def reader(args):
     """Process 2: opens the owner's buffer and times copies out of it."""
     import pycuda.driver as drv
-    from multi_gpu.trainer import Peer
-    from multi_gpu.worker import stopping
+    from dual_mlp import swap
+    from multi_gpu.sockets import Peer
     drv.init()
     context = primary_context(drv, 0)
-    peer = Peer(args.rundir, 1, 2, args.timeout, stopping)
+    peer = Peer(args.rundir, 1, 2, timeout=args.timeout)
     try:
-        src = drv.IPCMemoryHandle(peer.exchange(None)[0])
+        src = drv.IPCMemoryHandle(swap(peer, None)[0])
         dst = gpu_memory(drv, (args.max_mb << 20) + 4)
         rows = sweep(drv, src, dst, sizes(args.max_mb))
         src.close()
         dst.free()
-        peer.exchange("done", "the end of the copies")
+        swap(peer, "done", "the end of the copies")
     finally:
         peer.close()
         context.pop()
@@ -258,16 +258,15 @@ def exchange_worker(args):
     from Python one at a time (the host's rate) and replayed from a CUDA graph
     (the GPU's)."""
     import pycuda.driver as drv
-    from dual_mlp import barrier
-    from multi_gpu.links import Layout
-    from multi_gpu.trainer import Peer
-    from multi_gpu.worker import stopping
+    from dual_mlp import barrier, swap_handles
+    from multi_gpu.sockets import Peer
     from multi_gpu.stream_exchange import StreamExchange
+    from multi_gpu.transports import Layout
     drv.init()
     context = primary_context(drv, 0)
     byte_sizes = sizes(args.max_mb)
     most = max(byte_sizes) // 4
-    peer = Peer(args.rundir, args.rank, args.workers, args.timeout, stopping)
+    peer = Peer(args.rundir, args.rank, args.workers, timeout=args.timeout)
     ex = StreamExchange(args.rank, args.workers, Layout([(most,)], np.float32))
     buf = gpu_memory(drv, most * 4)
     stream, begin, end = drv.Stream(), drv.Event(), drv.Event()
@@ -276,7 +275,7 @@ def exchange_worker(args):
         if args.workers == 1:
             ex.loopback()
         else:
-            ex.connect(peer.exchange(ex.handle()))
+            ex.connect(swap_handles(peer, drv, ex.send, ex.flags))
         for size in byte_sizes:
             n = size // 4
             drv.memcpy_htod(buf, allreduce_pattern(args.rank, n))

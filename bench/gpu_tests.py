@@ -1,9 +1,9 @@
 """Run the GPU tests (pytest -m gpu) on this machine and record the outcome.
 
-    python -m bench.gpu_checks [--out FOLDER]
+    python -m bench.gpu_tests [--out FOLDER]
 
-Writes gpu_checks.json (date, machine, command, pass/fail counts, each test's
-outcome and seconds) and gpu_checks.log (pytest's own output)."""
+Writes gpu_tests.json (date, machine, command, pass/fail counts, each test's
+outcome and seconds) and gpu_tests.log (pytest's own output)."""
 import os
 import re
 import signal
@@ -26,7 +26,7 @@ def main():
               "no:cacheprovider", "-o", "timeout=240", "-o", "addopts=", "--durations=0"]
     pytest += ["-k", args.k] if args.k else []
     os.makedirs(args.out, exist_ok=True)
-    log_path = os.path.join(args.out, "gpu_checks.log")
+    log_path = os.path.join(args.out, "gpu_tests.log")
     # A time limit's SIGTERM reaches pytest too (one process group): it stops
     # its runs and exits, and what ran so far is still recorded here.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -46,7 +46,7 @@ def main():
     # --durations=0: "12.34s call     tests/...", what each test's body took
     seconds = {test: float(s) for s, test in
                re.findall(r"^([\d.]+)s call\s+(tests/\S+)", log, re.M)}
-    record("gpu_checks", args.out, pytest=" ".join(pytest[1:]), returncode=out.returncode,
+    record("gpu_tests", args.out, pytest=" ".join(pytest[1:]), returncode=out.returncode,
            counts=counts, tests=outcomes, seconds=seconds,
            notes=re.findall(r"^.*launcher stopped .*$", log, re.M))
     print(log[-2000:])

@@ -3,7 +3,7 @@ lost, and how soon a lost node started again trains again.
 
     python -m bench.lost_node [--out DIR]          (as root: test hosts)
 
-Two test hosts (``bench/hosts.py``: network namespaces, each its own
+Two test hosts (``bench/testhosts.py``: network namespaces, each its own
 address) run README.md's two commands, one CPU worker each, node 0 keeping
 a checkpoint; once node 0 has trained its first epoch, a fault strikes node
 1 (``hosts.FAULTS``): its cable cut, the machine killed or stopped, one of
@@ -26,7 +26,7 @@ import tempfile
 import time
 
 from bench.common import OUT, measured_by, record, show
-from bench.hosts import FAULTS, NODE0_FAULTS, host_arguments, hosts_on_a_bridge, two_nodes
+from bench.testhosts import FAULTS, NODE0_FAULTS, host_arguments, hosts_on_a_bridge, two_nodes
 from multi_gpu.cli import Parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

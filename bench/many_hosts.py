@@ -3,7 +3,7 @@ compile, a step, and how soon every node names a host whose cable is cut.
 
     python -m bench.many_hosts [--hosts 16] [--out DIR]     (as root: test hosts)
 
-``--hosts`` test hosts (``bench/hosts.py``: network namespaces on one
+``--hosts`` test hosts (``bench/testhosts.py``: network namespaces on one
 bridge, each its own address) each run README.md's command for one node
 (``cpu --nodes N --node-rank R --coordinator ...``, the secret in a file),
 twice.  The first run trains an epoch with ``--check``: every node's exit
@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from bench.common import OUT, measured_by, record, show
-from bench.hosts import host_arguments, hosts_on_a_bridge
+from bench.testhosts import host_arguments, hosts_on_a_bridge
 from multi_gpu.cli import Parser, positive_int
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

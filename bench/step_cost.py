@@ -23,7 +23,7 @@ On one device, at batch 100, 500 and 5000 and at 1 and K steps per call:
 * ``GPU-ordered step, --average-every 4``: the same trainer in local SGD,
   the kernel run every fourth step (the other three the tutorial's own
   step), at the K that are multiples of 4 (12 among the defaults);
-* ``--exchange xla, a world of one``: ``dual_mlp.XlaOrdered`` itself, its
+* ``--exchange xla, a world of one``: ``xla_runtime.XlaOrdered`` itself, its
   program compiled over JAX's distributed runtime with this process its one
   worker: an all-reduce of one participant, which XLA compiles away on a
   GPU (gloo runs it on the CPU).  So this is what the host pays for the
@@ -111,7 +111,7 @@ def gpu_ordered_step(model, device, steps_per_call, cpu, average_every=1):
     import dual_mlp
     trainer = dual_mlp.GpuOrdered(0, 1, model, device, None, check=False, watchdog=None,
                                   steps_per_call=steps_per_call, average_every=average_every,
-                                  exchange=HostEcho if cpu else None)
+                                  **({"exchange": HostEcho} if cpu else {}))
     trainer.exchange.loopback()
     return (*its_own_epochs(trainer), trainer)
 
@@ -119,7 +119,7 @@ def gpu_ordered_step(model, device, steps_per_call, cpu, average_every=1):
 def world_of_one(cpu):
     """``--exchange xla``'s runtime with this process its only worker (it
     must start before anything else touches JAX)."""
-    from multi_gpu.links import XlaExchange
+    from multi_gpu.xla_runtime import XlaExchange
     from multi_gpu.nodes import free_port
     return XlaExchange(f"127.0.0.1:{free_port()}", 1, 0, timeout=60, cpu=cpu, one_machine=True)
 
@@ -127,9 +127,9 @@ def world_of_one(cpu):
 def xla_ordered_step(model, device, xla, steps_per_call):
     """``(run(calls), wait, host seconds so far, trainer)`` of dual_mlp's
     ``--exchange xla`` trainer in a world of one."""
-    import dual_mlp
-    trainer = dual_mlp.XlaOrdered(0, 1, model, device, xla, check=False, watchdog=None,
-                                  steps_per_call=steps_per_call)
+    from multi_gpu.xla_runtime import XlaOrdered
+    trainer = XlaOrdered(0, 1, model, device, xla, check=False, watchdog=None,
+                         steps_per_call=steps_per_call)
     return (*its_own_epochs(trainer), trainer)
 
 

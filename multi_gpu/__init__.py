@@ -1,12 +1,13 @@
 """The plumbing of ``dual_mlp.py``: what the lesson calls by name, one module each.
 
-``trainer``          what a step calls: the zmq sockets between workers (``Peer``), the step
-                     clock, which minibatch a worker takes, the replica check, the loop of K
-                     steps a call
+``sockets``          the zmq sockets between one machine's workers (``Peer``), how long a wait
+                     may last
+``trainer``          the trainers' shared part: the replica check, the step clock, which
+                     minibatch a worker takes, the loop of K steps a call (``--sync gpu``, xla)
+``transports``       the flat layout of the weights; the staged transport through host memory
 ``stream_exchange``  the GPU-ordered exchange: ``stream_exchange.cu`` compiled by PyCUDA,
                      launched inside XLA's step
-``links``            the flat layout of the weights, the XLA exchange (JAX's distributed
-                     runtime), the staged transport through host memory
+``xla_runtime``      the XLA exchange: JAX's distributed runtime, a ``pmean`` in the step
 ``devices``          where a worker's arrays live: the CPU, a JAX device, a GPU
 ``memory``           the memory a worker may still take (the machine, cgroups, ulimit -v)
 ``xla_cache``        XLA's persistent cache of compiled programs
@@ -16,7 +17,9 @@
 ``lobby``            node 0's lobby: who joins, who comes back, what each node keeps
 ``door``             the lobby's public socket, in a process of its own
 ``restarts``         --max-restarts: where the run starts again, a lost node waited for
-``worker``           the worker's side: stop signals, orphans, the watchdog
+``worker``           the worker's side: orphans, the watchdog, its exit and its one line
+``hooks``            where a run may stop or fail on purpose: stop requests, the fault tests'
+                     hook
 ``report``           worker 0's words: the summary, a run that diverged
 ``records``          what a run leaves: checkpoints, the learning curve, the JSON summary
 ``trace``            --trace: each phase a span, the timeline's JSON and its picture

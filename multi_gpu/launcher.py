@@ -29,8 +29,8 @@ import warnings
 
 from multi_gpu import cli, datasets, files, records
 from multi_gpu.nodes import LOST_AFTER
-from multi_gpu.worker import (fault_point, forget_the_launchers_state,
-                              heartbeat_path, request_stop, stopping)
+from multi_gpu.hooks import fault_point, request_stop, stopping
+from multi_gpu.worker import forget_the_launchers_state, heartbeat_path
 
 
 def worker_environment(dev, n_local, one_machine=True):

@@ -36,8 +36,8 @@ import zipfile
 import numpy as np
 
 from multi_gpu import cli, datasets, files
-from multi_gpu.links import Layout
-from multi_gpu.worker import fault_point
+from multi_gpu.transports import Layout
+from multi_gpu.hooks import fault_point
 
 
 class CheckpointError(Exception):

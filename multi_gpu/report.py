@@ -54,29 +54,6 @@ def compiling(what, mode=None, where="cpu"):
             f"{first}; later runs {later})")
 
 
-def training(args, world, n_steps, route):
-    """The line that starts the epochs: who trains, on what, how."""
-    nodes = f" x {args.nodes} nodes" if args.nodes > 1 else ""
-    return (f"... training: {world} workers on {', '.join(args.devices)}{nodes}, "
-            f"{args.batch_size} images per worker per step, {cli.counted(n_steps, 'step')} per "
-            f"epoch; weights through {route}")
-
-
-def validated(args, epoch, n_steps, world, progress, samples_per_s):
-    """Worker 0's epoch line: the steps, the validation error, the speed."""
-    minibatches = cli.counted(world * n_steps, "minibatch", "minibatches")
-    return (f"epoch {epoch}/{args.epochs}: {cli.counted(n_steps, 'step')} per worker "
-            f"({minibatches} of {args.batch_size}), validation error "
-            f"{progress.validation_errors[-1] * 100.:.2f} %  ({samples_per_s:,.0f} samples/s)")
-
-
-def trained(args, epoch, n_steps, samples_per_s):
-    """The epoch line of a node other than 0, for its own terminal (node 0
-    validates, and says the run's)."""
-    return (f"node {args.node_rank}: epoch {epoch}/{args.epochs}: {cli.counted(n_steps, 'step')} "
-            f"per worker ({samples_per_s:,.0f} samples/s); node 0 validates")
-
-
 def ended(args, wall):
     """A node's last line when the run ends well."""
     line = f"total wall time {wall:.1f} s (start-up and compile included)"
@@ -87,19 +64,33 @@ def ended(args, wall):
             "and summary")
 
 
-def summarise(args, progress, trainer, n_steps, world, wall, device, say):
-    """Worker 0's closing lines, and the --json summary."""
+def lower(progress):
+    """What worker 0 adds where the test error came out below validation's."""
+    return (" (a separate sample of images: it can come out lower than validation)"
+            if progress.test_error < progress.best_validation_error else "")
+
+
+def speed(args, progress, trainer, world):
+    """(Samples a second over the run's epochs, microseconds of a step: in
+    all, ``step``, and by phase where the host times them)."""
     samples_per_s = world * progress.steps * args.batch_size / progress.train_s
-    step_us = dict(trainer.step_us(progress.steps), step=1e6 * progress.train_s / progress.steps)
-    lower = (" (a separate sample of images: it can come out lower than validation)"
-             if progress.test_error < progress.best_validation_error else "")
-    say(f"Optimization complete. Best validation error {progress.best_validation_error * 100.:.2f}"
-        f" %, test error of that model {progress.test_error * 100.:.2f} %{lower}")
-    say(f"Trained at {samples_per_s:,.0f} samples/s ({world} workers), {step_us['step']:.0f} us "
-        "per step" + ("" if "train" not in step_us else
-                      ": train {train:.0f} us, exchange {exchange:.0f} us (publish {publish:.0f} "
-                      "+ signals {signal:.0f} + copy {copy:.0f} + average {average:.0f}), "
-                      f"{WAITING} {{waiting:.0f}} us".format(**step_us)))
+    return samples_per_s, dict(trainer.step_us(progress.steps),
+                               step=1e6 * progress.train_s / progress.steps)
+
+
+def phases(step_us):
+    """A step's phases in words, where the host timed them (``speed``)."""
+    if "train" not in step_us:
+        return ""
+    return (": train {train:.0f} us, exchange {exchange:.0f} us (publish {publish:.0f} + signals "
+            "{signal:.0f} + copy {copy:.0f} + average {average:.0f}), "
+            f"{WAITING} {{waiting:.0f}} us").format(**step_us)
+
+
+def summarise(args, progress, trainer, n_steps, world, wall, device, say, speeds):
+    """Worker 0's closing lines past its speed (``speeds``: ``speed``'s),
+    and the --json summary."""
+    samples_per_s, step_us = speeds
     averaged = trainer.report()
     if averaged["average_every"] > 1:  # local SGD
         spent = (f"the exchange {averaged['exchange_s']:.2f} s in all" if "exchange_s" in averaged

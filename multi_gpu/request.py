@@ -28,7 +28,7 @@ from multi_gpu import cli, datasets, lobby, memory, records
 from multi_gpu.cli import UsageError
 from multi_gpu.nodes import check_port, free_port, host_and_port, on_loopback
 from multi_gpu.trainer import steps_per_epoch
-from multi_gpu.worker import fault_spec_problem
+from multi_gpu.hooks import fault_spec_problem
 
 
 
@@ -119,11 +119,11 @@ COORDINATOR_SOCKET = "coordinator.sock"
 
 
 def check_exchange(args, world, gpus, choices):
-    """Resolve --exchange, --sync, --avg and --staged (``choices``: the
-    defaults of --sync and --avg on GPUs and CPUs); returns the notices."""
+    """Resolve --exchange, --sync, --avg and --staged (``choices``: their
+    defaults, by machine); returns the notices."""
     shared = len(set(args.devices)) < len(args.devices)  # GPUs; CPU workers always share
     exchange_asked, sync_asked, staged_asked = args.exchange, args.sync, args.staged
-    choose_exchange(args, world, gpus, shared)
+    choose_exchange(args, world, gpus, shared, choices)
     notices = around_missing_peer_access(args, world, exchange_asked) \
         if gpus and args.exchange == "p2p" and not shared else []
     if args.exchange == "xla":
@@ -135,14 +135,14 @@ def check_exchange(args, world, gpus, choices):
     return notices
 
 
-def choose_exchange(args, world, gpus, shared):
-    """--exchange by default: p2p on one machine for two workers, CPUs, or
-    workers sharing GPUs; else xla."""
+def choose_exchange(args, world, gpus, shared, choices):
+    """--exchange by default (``choices``): one machine's, for two workers,
+    CPUs, or workers sharing GPUs; else several's."""
     if args.exchange is None:
         # measured: on CPUs the host-ordered exchange beats gloo's all-reduce at 2, 3 and 4
         # workers (bench/results/scaling_cpu.json); GPUs past two stay on NCCL until measured
-        args.exchange = "p2p" if args.nodes == 1 and (world == 2 or not gpus or shared) \
-            else "xla"
+        one = args.nodes == 1 and (world == 2 or not gpus or shared)
+        args.exchange = choices["exchange"]["one machine" if one else "more"]
     if args.exchange == "p2p" and args.nodes > 1:
         raise UsageError("--exchange p2p joins the workers of one machine: use --exchange xla "
                          "on several machines")
@@ -416,14 +416,14 @@ def check_xla_flags():
                          "--xla_force_host_platform_device_count=2)")
 
 
-def check_request(args, shapes, batch_size, shipped_batch_size, steps_per_call, epochs,
+def check_request(args, shapes, *, batch_size, shipped_batch_size, steps_per_call, epochs,
                   choices):
     """Resolve defaults and check every input; returns the notices to print.
     ``shapes`` are the model's parameters' (a checkpoint must hold them),
     ``batch_size`` is the default per worker, ``shipped_batch_size`` the one
     on the shipped digits (too few for two minibatches of the default),
     ``steps_per_call`` the device-ordered exchanges' default, ``epochs``
-    --epochs', ``choices`` those of --sync and --avg by hardware."""
+    --epochs', ``choices`` those of --exchange, --sync and --avg."""
     notices = []
     fault = fault_spec_problem()
     if fault:
@@ -571,7 +571,7 @@ def run_folder(args, shapes):
     return os.path.join(folder, name), notice
 
 
-def prepare(args, shapes, run, *defaults):
+def prepare(args, shapes, run, **defaults):
     """The run made ready, or refused in one line (SystemExit: 2, or 1 where
     another node did not answer): the request checked (``check_request``,
     with ``defaults``: batch size, the shipped digits', steps per call,
@@ -581,7 +581,7 @@ def prepare(args, shapes, run, *defaults):
     run, every other node says that it joined.  Returns (the run folder, the
     other nodes' link)."""
     try:
-        notices = check_request(args, shapes, *defaults)
+        notices = check_request(args, shapes, **defaults)
         run.enter_context(records.hold(args.save, args.json, args.trace,
                                        trace_picture(args.trace),
                                        room=records.checkpoint_bytes(shapes)))

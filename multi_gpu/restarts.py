@@ -24,7 +24,7 @@ from multi_gpu.launcher import launch
 from multi_gpu.lobby import NoAnswer
 from multi_gpu.nodes import free_port, host_and_port
 from multi_gpu.request import check_resume, private_coordinator, run_folder
-from multi_gpu.worker import stopping
+from multi_gpu.hooks import stopping
 
 
 class RunEnds(Exception):

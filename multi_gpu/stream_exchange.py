@@ -12,7 +12,7 @@ themselves: within a step the host waits for nothing.
 Each of the N workers allocates with PyCUDA, once, and shares by CUDA IPC,
 once:
 
-* ``send``: two slots of the flat weights (``links.Layout``), used by step
+* ``send``: two slots of the flat weights (``transports.Layout``), used by step
   parity, so that a worker can publish step t+1 while the others still read
   step t;
 * ``flags``: its ``struct Flags`` (in ``stream_exchange.cu``), counters that the OTHER
@@ -318,16 +318,11 @@ class StreamExchange:
             buffer.base.free()
         return best, tick
 
-    def handle(self):
-        return self.drv.mem_get_ipc_handle(self.send), self.drv.mem_get_ipc_handle(self.flags)
-
-    def connect(self, handles):
-        """Every worker's handles, in rank order (ours as well, unused)."""
-        self._opened = [(self.drv.IPCMemoryHandle(send), self.drv.IPCMemoryHandle(flags))
-                        for w, (send, flags) in enumerate(handles) if w != self.rank]
-        others = iter(self._opened)
-        self._write_peers([(self.send, self.flags) if w == self.rank else next(others)
-                           for w in range(self.n_workers)])
+    def connect(self, buffers):
+        """Every worker's (send slots, flags), in rank order: ours, and the
+        others' as opened by IPC (``dual_mlp.swap_handles``), closed here."""
+        self._opened = [b for w, b in enumerate(buffers) if w != self.rank]
+        self._write_peers(buffers)
 
     def loopback(self):
         """A world of one: every phase runs, every counter is written and

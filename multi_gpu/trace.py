@@ -32,7 +32,7 @@ import stat
 import time
 
 from multi_gpu import files
-from multi_gpu.worker import fault_point
+from multi_gpu.hooks import fault_point
 
 HOST, DEVICE = "host", "device"  # the tracks
 

@@ -1,17 +1,10 @@
-"""What every trainer of ``dual_mlp.py`` shares, whichever orders the exchange.
+"""The trainers of ``dual_mlp.py``: what every one of them shares.
 
-Everything a step of ``dual_mlp.py`` calls outside that file and the devices
-is here, so that a reader of the step opens two files more, not five.
-
-``Peer``
-    zmq PAIR sockets between the workers of one machine, over ``ipc://`` in
-    the run's private directory.  They carry the one-time handshake (each
-    worker's buffer handle) and, every step, ``dual_mlp.barrier``'s
-    messages; every wait has a timeout (``Peer.ready``).
 ``Trainer``
-    one worker's replica and its interface: ``start()`` (the handshake, and
-    the check that every replica starts from the same weights), ``epoch(n)``,
-    ``to_model()``, ``weights()``, ``finish()``, ``close()``; ``--check``.
+    one worker's replica and its interface: ``handshake()``,
+    ``check_start()`` (every replica starts from the same weights),
+    ``epoch(n)``, ``to_model()``, ``weights()``, ``finish()``, ``close()``;
+    ``--check``.
 ``DeviceOrdered``
     the loop of the trainers whose step, training and exchange, is one
     compiled program (``--sync gpu``, ``--exchange xla``): the host queues
@@ -28,18 +21,15 @@ from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's 
 import collections
 import functools
 import operator
-import os
-import sys
 import time
 
 import numpy as np
-import zmq
 
 from multi_gpu.devices import place
-from multi_gpu.nodes import LOST_AFTER  # a heartbeat still for that long: a worker gone
+from multi_gpu.hooks import FAULT, Interrupted, fault_point, stop_point, stopping
+from multi_gpu.sockets import PeerError
 from multi_gpu.trace import WAITING
-from multi_gpu.worker import (FAULT, Interrupted, Unwatched, fault_point, heartbeat_path,
-                              stop_point, stopped_workers, stopping)
+from multi_gpu.worker import Unwatched
 
 UNROLL = 5  # steps unrolled in a compiled call's loop: XLA runs a loop's body step by step
 AHEAD = 8   # calls the host may queue ahead of the device
@@ -79,127 +69,11 @@ def mean_in_rank_order(terms):
     return functools.reduce(operator.add, terms) / len(terms)
 
 
-class PeerError(Exception):
-    """The other worker stalled, vanished or disagreed; one line of message."""
-
-
-STILL_STARTING_S = 1800  # how long the handshake waits for a worker still compiling
-
-
-class Peer:
-    """The zmq links between the workers of one machine: a PAIR socket for
-    every pair, the lower rank binding, in the run's private directory.
-    A worker that has its links says so to the others (``meeting-RANK`` in
-    the run folder): one whose heartbeat goes on without it is still
-    compiling, which the handshake waits for past --timeout (a first Numba
-    compile on a busy machine takes minutes), up to ``STILL_STARTING_S``."""
-
-    def __init__(self, rundir, rank, n_workers, timeout, stopping, spin=0.0):
-        """
-        :param timeout: seconds to wait for another worker at any barrier
-        :param stopping: ``worker.StopRequest``: once its ``signum`` is set, any
-            wait ends
-        :param spin: seconds to poll without sleeping before blocking; a
-            wake-up from a blocking wait costs tens of microseconds, which
-            matters next to a GPU step but would steal a CPU worker's core
-        """
-        self.rundir, self.rank, self.n = rundir, rank, n_workers
-        self.timeout, self.stopping, self.spin = timeout, stopping, spin
-        self.barriers = 0
-        self.context = zmq.Context()
-        self.sockets = {}  # the other worker's rank -> its socket
-        for other in range(n_workers):
-            if other == rank:
-                continue
-            socket = self.context.socket(zmq.PAIR)
-            socket.setsockopt(zmq.LINGER, 0)
-            low, high = sorted((rank, other))
-            address = "ipc://" + os.path.join(rundir, f"peer-{low}-{high}.sock")
-            (socket.bind if rank == low else socket.connect)(address)
-            self.sockets[other] = socket
-        with open(os.path.join(rundir, f"meeting-{rank}"), "x"):
-            pass
-        self.said_waiting = False
-
-    def ready(self, other, event, what):
-        """Wait, in slices, until the socket to ``other`` can send or receive
-        (``event``: ``zmq.POLLOUT``, ``zmq.POLLIN``); a stop request or the
-        timeout ends the wait, counted at the handshake from the end of the
-        other's compile (its links made: a moment's work may remain before it
-        sends).  (A PAIR socket whose peer is gone blocks a
-        plain send for ever.)  A receive first spins for ``spin`` seconds."""
-        socket = self.sockets[other]
-        if event == zmq.POLLIN and self.spin:
-            spin_until = time.perf_counter() + self.spin
-            while time.perf_counter() < spin_until:
-                if socket.poll(0, event):
-                    return
-        started = since = time.monotonic()
-        compiling = False
-        while not socket.poll(100, event):
-            if self.stopping.signum:  # an attribute, set by a signal's handler: nothing to call
-                raise Interrupted
-            now = time.monotonic()
-            if compiling or now - since > self.timeout:
-                compiling = what == "the handshake" and self.still_compiling(other, now - started)
-                if compiling:  # no stall: the timeout counts from the compile's end
-                    since = now
-                elif now - since > self.timeout:
-                    # the one that stopped, rather than one that waits for it as we do
-                    late = stopped_workers(self.rundir, self.n, self.rank) or [other]
-                    waited = now - started
-                    raise PeerError(f"worker {late[0]} did not reach {what} within "
-                                    f"{self.timeout if waited < STILL_STARTING_S else waited:g}"
-                                    " s (see --timeout)")
-
-    def still_compiling(self, other, waited):
-        """Is worker ``other`` alive (its heartbeat, which a compile holding
-        Python's lock on a busy machine delays by seconds; none yet as it
-        starts), without its links yet, for less than ``STILL_STARTING_S``?
-        Worker 0 says once that it waits."""
-        try:
-            beat = time.time() - os.path.getmtime(heartbeat_path(self.rundir, other))
-        except OSError:  # not yet made: it is starting (its launcher stops us if it died)
-            beat = 0.0
-        starting = beat < LOST_AFTER and \
-            not os.path.exists(os.path.join(self.rundir, f"meeting-{other}"))
-        if starting and self.rank == 0 and not self.said_waiting:
-            self.said_waiting = True
-            print(f"worker 0: notice: worker {other} is still compiling after {waited:.0f} s: "
-                  f"the handshake waits for it (up to {STILL_STARTING_S // 60} min)",
-                  file=sys.stderr, flush=True)
-        return starting and waited < STILL_STARTING_S
-
-    def exchange(self, obj, what="the handshake"):
-        """Send ``obj`` to every other worker; returns every worker's, in rank
-        order, mine included (the handles, once; --check)."""
-        for other, socket in self.sockets.items():
-            self.ready(other, zmq.POLLOUT, what)
-            socket.send_pyobj(obj, zmq.NOBLOCK)  # 2014's calls: send_pyobj, recv_pyobj
-        theirs = {}
-        for other, socket in self.sockets.items():
-            self.ready(other, zmq.POLLIN, what)
-            theirs[other] = socket.recv_pyobj(zmq.NOBLOCK)
-        return [obj if other == self.rank else theirs[other] for other in range(self.n)]
-
-    def gather(self, array):
-        """Every worker's ``array``, stacked in rank order (for --check)."""
-        return np.stack(self.exchange(array, "the replica check"))
-
-    def close(self):
-        # Linger a moment: a message still in flight (the last --check
-        # exchange, 1.6 MB) is discarded by a close without it, and the peer
-        # then waits for it until its timeout.
-        for socket in self.sockets.values():
-            socket.close(linger=1000)
-        self.context.term()
-
-
 class Trainer:
     """One worker's replica, and how it trains beside the others.
 
-    ``start()`` meets the other workers once (the handshake) and checks that
-    every replica starts from the same weights; ``epoch(n)`` runs n steps,
+    ``handshake()`` meets the other workers once; ``check_start()`` checks
+    that every replica starts from the same weights; ``epoch(n)`` runs n steps,
     after each of which every replica holds the average; ``to_model()``
     leaves the replica's weights in the model's shared variables (worker 0
     validates them); ``weights()`` hands them back as NumPy arrays;
@@ -210,23 +84,23 @@ class Trainer:
     tracer = None  # --trace: the timeline's recorder (multi_gpu.trace.Tracer)
     steps_run = 0  # the steps taken so far, this run
 
-    def __init__(self, rank, world, model, link, check, average_every=1):
-        """``link`` reaches the other workers, for the handshake and for
-        ``gather``, which the exchange itself never uses; the replicas
-        average every ``average_every`` steps (``averages_after``)."""
-        self.rank, self.world, self.model, self.link, self.check = rank, world, model, link, check
-        self.n_steps = steps_per_epoch(model.n_train_batches, world)
+    def __init__(self, rank, world, model, *, gather, check, average_every=1):
+        """``gather(array)``: every worker's ``array``, stacked in rank order
+        (the start's check, --check), which the exchange itself never uses;
+        the replicas average every ``average_every`` steps (``averages_after``)."""
+        self.rank, self.world, self.model, self.gather = rank, world, model, gather
+        self.check, self.n_steps = check, steps_per_epoch(model.n_train_batches, world)
         self.average_every, self.averages = average_every, 0
         self.max_diff = 0.0
 
-    def start(self):
-        self.handshake()
-        start = np.array([sum(p.sum(dtype=np.float64) for p in self.model.get_params())])
-        if len(set(self.link.gather(start).ravel())) > 1:
-            raise PeerError("the replicas start from different weights")
-
     def handshake(self):
         """Swap what the exchange needs to know of the others, once."""
+
+    def check_start(self):
+        """Every replica starts from the same weights."""
+        start = np.array([sum(p.sum(dtype=np.float64) for p in self.model.get_params())])
+        if len(set(self.gather(start).ravel())) > 1:
+            raise PeerError("the replicas start from different weights")
 
     def trace(self, tracer):
         """Record the phases of the steps ``tracer`` asks for (``--trace``)."""
@@ -249,7 +123,7 @@ class Trainer:
         if self.check:
             mine = np.concatenate([w.ravel() for w in self.weights()])
             self.max_diff = max(self.max_diff,
-                                float(np.max(np.abs(self.link.gather(mine) - mine))))
+                                float(np.max(np.abs(self.gather(mine) - mine))))
 
     def to_model(self):
         pass  # the model's shared variables are the replica's weights
@@ -330,9 +204,12 @@ class DeviceOrdered(Trainer):
     marker), whether the device is ``done`` with the call of a marker, and
     where the replica's ``device_weights`` are."""
 
-    def __init__(self, rank, world, model, link, check, watchdog, steps_per_call,
+    stamper = None  # an exchange that stamps its phases on the device's clock (--trace)
+
+    def __init__(self, rank, world, model, *, gather, check, watchdog, steps_per_call,
                  average_every=1):
-        super().__init__(rank, world, model, link, check, average_every)
+        super().__init__(rank, world, model, gather=gather, check=check,
+                         average_every=average_every)
         self.queued, self.watchdog = collections.deque(), watchdog or Unwatched()
         self.in_flight, self.device_free = collections.deque(), 0  # --trace: calls not yet seen
         self.steps_per_call, self.programs, self.exchange_steps = steps_per_call, {}, None
@@ -410,12 +287,33 @@ class DeviceOrdered(Trainer):
             self.device_spans(marker, step, steps, call, max(queued, self.device_free), now)
             self.device_free = now
 
+    def trace(self, tracer):
+        """--trace; an exchange that stamps its own phases (``stamper``: the
+        kernel on a GPU, ``StreamExchange.trace``) keeps its stamps too."""
+        super().trace(tracer)
+        if self.stamped():
+            self.stamper.trace((AHEAD + 2) * averages_in(self.steps_per_call,
+                                                         self.average_every))
+
+    def stamped(self):
+        return hasattr(self.stamper, "trace")  # the stand-ins on CPUs have no GPU clock
+
     def device_spans(self, marker, step, steps, call, start, now):
         """The device's track of a call of ``steps`` steps from ``step`` that
         the host saw done at ``now``: one span, from when the one before it
-        ended (or it was queued).  A device that stamps its own phases says more."""
-        self.tracer.span("steps", start, now, track="device", step=step, first=step,
-                         steps=steps, call=call)
+        ended (or it was queued); or, from a ``stamper``, the stamps of the
+        call's exchanges, drawn at the end (``draw_stamps``)."""
+        if not self.stamped():
+            self.tracer.span("steps", start, now, track="device", step=step, first=step,
+                             steps=steps, call=call)
+        elif self.tracer.traces(step, steps):  # the steps that end on an exchange
+            self.stamper.keep_stamps([step + i for i in range(steps) if
+                                      averages_after(i, steps, self.average_every)], marker, call)
+
+    def draw_stamps(self):
+        """--trace, once the last step is done: the stamps kept, as spans."""
+        if self.stamped() and self.stamper.stamps is not None:
+            self.stamper.draw_stamps(self.tracer, self.rank)
 
     def weights(self):
         return [np.array(w) for w in self.device_weights()]
@@ -432,7 +330,8 @@ class DeviceOrdered(Trainer):
         where it ran once an average)."""
         return dict(super().report(), host_us_per_call=1e6 * self.host_time / max(1, self.calls),
                     host_us_per_step=1e6 * self.host_time / max(1, self.steps_run),
-                    steps_per_call=self.steps_per_call, exchange_steps=self.exchange_steps)
+                    steps_per_call=self.steps_per_call, exchange_steps=self.exchange_steps,
+                    **({"exchange_callbacks": self.stamper.callbacks} if self.stamper else {}))
 
 
 def repeat(step, steps, unroll=UNROLL):

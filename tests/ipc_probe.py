@@ -12,9 +12,8 @@ import numpy as np
 import dual_mlp
 import mlp
 from multi_gpu.devices import CudaDevice
-from multi_gpu.links import Layout
-from multi_gpu.trainer import Peer
-from multi_gpu.worker import StopRequest
+from multi_gpu.sockets import Peer
+from multi_gpu.transports import Layout
 
 
 def arrays(rank, round_):
@@ -27,9 +26,9 @@ def main():
     device = CudaDevice(gpu)  # started with CUDA_VISIBLE_DEVICES=gpu, as a worker is
     layout = Layout(mlp.parameter_shapes(784, 500, 10), np.float32)
     transport = dual_mlp.transport(device, rundir, rank, n, layout, "--staged" in sys.argv)
-    peer = Peer(rundir, rank, n, 60, StopRequest())
+    peer = Peer(rundir, rank, n, timeout=60)
     try:
-        transport.connect(peer.exchange(transport.handle()))
+        transport.connect(dual_mlp.swap(peer, transport.handle()))
         for round_ in range(3):
             values = [device.put(a) for a in arrays(rank, round_)]
             device.wait(values)

@@ -275,7 +275,7 @@ def test_step_cost_cpu_times_the_plain_written_out_and_both_ordered_steps_and_co
 
 
 @pytest.mark.parametrize("name, args", [
-    ("gpu_checks", []), ("trace_cost", ["--devices", 0, 0]), ("compare", []), ("exchange", []),
+    ("gpu_tests", []), ("trace_cost", ["--devices", 0, 0]), ("compare", []), ("exchange", []),
     ("host_time", ["--dataset", SHIPPED]), ("step_profile", [])])
 def test_a_gpu_benchmark_without_a_gpu_is_one_line_and_writes_nothing(tmp_path, name, args):
     import shutil

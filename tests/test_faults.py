@@ -205,9 +205,11 @@ def test_a_resume_without_epochs_goes_on_to_the_epochs_its_run_asked_for(tmp_pat
                                         f"{dual_mlp.EPOCHS}, the default (see --epochs)"),
             (stopped, ["--epochs", 5], 5, None)):
         args = dual_mlp.parse_args(["cpu", "cpu", "--resume", str(path), *map(str, given)])
-        notices = request.check_request(args, SHAPES, dual_mlp.BATCH_SIZE,
-                                         dual_mlp.SHIPPED_BATCH_SIZE, dual_mlp.STEPS_PER_CALL,
-                                         dual_mlp.EPOCHS, dual_mlp.CHOICES)
+        notices = request.check_request(
+            args, SHAPES, batch_size=dual_mlp.BATCH_SIZE,
+            shipped_batch_size=dual_mlp.SHIPPED_BATCH_SIZE,
+            steps_per_call=dual_mlp.STEPS_PER_CALL, epochs=dual_mlp.EPOCHS,
+            choices=dual_mlp.CHOICES)
         assert args.epochs == epochs and args.trained_with["epochs"] == epochs
         assert [n for n in notices if "--resume" in n] == ([words] if words else []), notices
 
@@ -233,20 +235,20 @@ def test_the_last_message_before_a_close_is_delivered(tmp_path):
 
     import numpy as np
 
-    from multi_gpu.trainer import Peer
-    from multi_gpu.worker import StopRequest
+    import dual_mlp
+    from multi_gpu.sockets import Peer
     big = np.arange(16 << 20, dtype=np.float32)  # 64 MB: still in flight at the close
     got = {}
 
     def last_to_finish():
-        peer = Peer(str(tmp_path), 0, 2, 30, StopRequest())
-        got["array"] = peer.exchange("small")[1]
+        peer = Peer(str(tmp_path), 0, 2, timeout=30)
+        got["array"] = dual_mlp.swap(peer, "small")[1]
         peer.close()
 
     thread = threading.Thread(target=last_to_finish)
     thread.start()
-    peer = Peer(str(tmp_path), 1, 2, 30, StopRequest())
-    assert peer.exchange(big)[0] == "small"
+    peer = Peer(str(tmp_path), 1, 2, timeout=30)
+    assert dual_mlp.swap(peer, big)[0] == "small"
     peer.close()  # at once, as a worker that has finished
     thread.join(40)
     assert not thread.is_alive() and np.array_equal(got["array"], big)
@@ -260,13 +262,13 @@ def test_a_barrier_timeout_names_the_worker_that_stopped_not_one_waiting_for_it(
     "worker 1 did not reach barrier 2").  Here worker 1 keeps its heartbeat
     and never answers, worker 2's heartbeat is a minute old."""
     import dual_mlp
-    from multi_gpu.trainer import Peer, PeerError
-    from multi_gpu.worker import StopRequest, heartbeat_path
+    from multi_gpu.sockets import Peer, PeerError
+    from multi_gpu.worker import heartbeat_path
     for rank in (1, 2):
         open(heartbeat_path(str(tmp_path), rank), "w").close()
     stale = time.time() - 60
     os.utime(heartbeat_path(str(tmp_path), 2), (stale, stale))
-    peer = Peer(str(tmp_path), 0, 3, 0.5, StopRequest())
+    peer = Peer(str(tmp_path), 0, 3, timeout=0.5)
     try:
         with pytest.raises(PeerError, match=r"^worker 2 did not reach barrier 1 within 0.5 s"):
             dual_mlp.barrier(peer)
@@ -343,7 +345,7 @@ def test_a_worker_still_compiling_past_the_timeout_is_waited_for(no_leftovers):
     heartbeat going on: the other waits for it at the handshake, worker 0
     says so once, and the run ends exit 0 (it ended at the timeout, naming
     a worker that had not stalled)."""
-    from multi_gpu.worker import SLOW_S
+    from multi_gpu.hooks import SLOW_S
     timeout = SLOW_S // 3
     out = dual("cpu", "cpu", "--epochs", 1, "--timeout", timeout,
                env={"DUAL_MLP_FAULT": "1:start:slow"}, timeout=120)

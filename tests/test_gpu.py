@@ -1,4 +1,4 @@
-"""The GPU path, on real GPUs (run by bench/gpu_checks.py on the two-GPU
+"""The GPU path, on real GPUs (run by bench/gpu_tests.py on the two-GPU
 machine); skipped where no GPU is usable."""
 import json
 import os

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from bench.hosts import FAULTS, NODE0_FAULTS, hosts_on_a_bridge, two_nodes, why_no_test_hosts
+from bench.testhosts import FAULTS, NODE0_FAULTS, hosts_on_a_bridge, two_nodes, why_no_test_hosts
 from bench.lost_node import come_back, node0_lost, stopped_after, strike
 from conftest import (PACED, assert_identical_checkpoints, finish, made_once, run_directories,
                       start_dual, wait_for)
@@ -35,7 +35,7 @@ EPOCHS = 10  # the uninterrupted run's, the resumed and restarted ones': a strik
 # running two other copies of the suite met (up to 21 s: its seconds are the
 # machine's, while the runs count their silences in their own, LOST_AFTER)
 STOPS_WITHIN_S = 30
-NAMED = {  # the words node 0's last line names each of bench.hosts.FAULTS by
+NAMED = {  # the words node 0's last line names each of bench.testhosts.FAULTS by
     "cut cable": "lost: not heard from for", "killed node": "lost: not heard from for",
     "stopped node": "lost: not heard from for",
     "killed worker": ": worker 1 (device cpu) failed: killed by SIGKILL",

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.hosts import why_no_test_hosts
+from bench.testhosts import why_no_test_hosts
 from bench.many_hosts import measure
 from conftest import ROOT, made_once
 

@@ -57,6 +57,26 @@ def test_the_readmes_step_is_a_quote_of_the_code():
     assert quote in (ROOT / "README.md").read_text(), quote
 
 
+def test_the_reading_order_names_the_line_of_each_call_of_the_handshake_and_the_step():
+    """README.md's reading order answers from dual_mlp.py alone, by line,
+    when the handshake runs and what it calls, where one step trains,
+    publishes, signals (the call that waits), copies and averages (under
+    every --avg): each named line holds its call."""
+    section = (ROOT / "README.md").read_text().split("## Reading order\n", 1)[1]
+    rows = re.findall(r"^\| ([^|]*) \| (\d+) \| `([^`]+)` \|$", section.split("\n## ", 1)[0],
+                      re.M)
+    lines = (ROOT / "dual_mlp.py").read_text().splitlines()
+    for what, number, call in rows:
+        assert call in lines[int(number) - 1], (what, number, call)
+    calls, whats = " ".join(call for _, _, call in rows), " ".join(what for what, _, _ in rows)
+    for needed in ("trainer.handshake()", "send_pyobj", "recv_pyobj", "mem_get_ipc_handle",
+                   "IPCMemoryHandle", "train_model", "memcpy_dtod_async", "socket.send(",
+                   "socket.poll(", "socket.recv(", "self.exchange(params, g)"):
+        assert needed in calls, needed
+    for avg in ("theano", "pycuda", "shared", "cpu"):
+        assert f"`--avg {avg}`" in whats, avg
+
+
 def test_the_readme_is_a_page():
     assert len((ROOT / "README.md").read_bytes()) <= 15 * 1024
 

@@ -141,31 +141,58 @@ def test_the_lesson_and_each_module_fit_in_600_lines():
 
 
 STEP_PROFILER = """
-import json, os, sys
+import functools, json, os, sys
 sys.path.insert(0, os.getcwd())
 import threadpoolctl
+import zmq
 import dual_mlp
-epoch = dual_mlp.HostOrdered.epoch
+seen, calls, watching = set(), set(), []
 
-def profiled(self, n_steps):  # every function call of the epoch's steps, by file
-    seen = set()
-    sys.setprofile(lambda frame, event, _: event == "call" and seen.add(frame.f_code.co_filename))
-    try:
-        epoch(self, n_steps)
-    finally:
-        sys.setprofile(None)
+def recorded(name, method):  # a zmq call, by the function that makes it, while watching
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        if watching:
+            caller = sys._getframe(1).f_code
+            calls.add((caller.co_filename, caller.co_name, name))
+        return method(*args, **kwargs)
+    return call
+for name in ("send", "recv", "poll", "send_pyobj", "recv_pyobj", "send_multipart",
+             "recv_multipart", "send_string", "recv_string", "send_json", "recv_json"):
+    setattr(zmq.Socket, name, recorded(name, getattr(zmq.Socket, name)))
+
+def watched(method, step):  # the handshake, or the steps: every function they run, by file
+    def run(self, *args):
+        watching.append(True)
+        if step:
+            sys.setprofile(lambda frame, event, _: event == "call" and
+                           seen.add(frame.f_code.co_filename))
+        try:
+            return method(self, *args)
+        finally:
+            sys.setprofile(None)
+            watching.clear()
+    return run
+
+def leave(self):
     blas = [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"]
     with open(os.path.join(sys.argv[1], f"worker{self.rank}.json"), "w") as f:
-        json.dump(dict(files=sorted(seen), blas_threads=blas), f)
-dual_mlp.HostOrdered.epoch = profiled
+        json.dump(dict(files=sorted(seen), calls=sorted(calls), blas_threads=blas), f)
+    close(self)
+
+close = dual_mlp.HostOrdered.close
+dual_mlp.HostOrdered.handshake = watched(dual_mlp.HostOrdered.handshake, step=False)
+dual_mlp.HostOrdered.epoch = watched(dual_mlp.HostOrdered.epoch, step=True)
+dual_mlp.HostOrdered.close = leave
 sys.exit(dual_mlp.main(sys.argv[2:]))
 """
 
 
 @pytest.fixture(scope="module")
 def quick_start_workers(tmp_path_factory):
-    """The Quick start's run, one epoch, each worker's step traced
-    (``sys.setprofile``) and its BLAS threads counted (threadpoolctl)."""
+    """The Quick start's run, one epoch: each worker's steps traced
+    (``sys.setprofile``: every function), every zmq call of its handshake
+    and steps by the function that makes it, and its BLAS threads counted
+    (threadpoolctl)."""
     folder = tmp_path_factory.mktemp("profiled")
     out = subprocess.run([sys.executable, "-c", STEP_PROFILER, str(folder), "--epochs", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -173,14 +200,33 @@ def quick_start_workers(tmp_path_factory):
     return [json.loads((folder / f"worker{rank}.json").read_text()) for rank in (0, 1)]
 
 
+def ours(path):
+    """A project file's path in the repository, or None."""
+    inside = path.startswith(str(ROOT) + os.sep) and not path.startswith(sys.prefix)
+    return os.path.relpath(path, ROOT) if inside else None
+
+
 def test_one_step_runs_python_of_three_project_files_at_most(quick_start_workers):
     """Whatever a reader of the step follows is in dual_mlp.py and two files
     of the package at most (the model's own step is compiled: it runs no
     Python of mlp.py)."""
     for worker in quick_start_workers:
-        ours = {os.path.relpath(f, ROOT) for f in worker["files"]
-                if f.startswith(str(ROOT) + os.sep) and not f.startswith(sys.prefix)}
-        assert "dual_mlp.py" in ours and len(ours) <= 3, ours
+        files = set(filter(None, map(ours, worker["files"])))
+        assert "dual_mlp.py" in files and len(files) <= 3, files
+
+
+def test_every_zmq_call_of_the_handshake_and_the_step_is_in_the_lesson(quick_start_workers):
+    """The handshake and every step call zmq (send, recv, poll, send_pyobj,
+    recv_pyobj) from dual_mlp.py alone, as the 2014 file did: in the
+    functions that wait, signal and swap."""
+    for worker in quick_start_workers:
+        callers = {(ours(path), function, called) for path, function, called in worker["calls"]
+                   if ours(path)}
+        assert {path for path, _, _ in callers} == {"dual_mlp.py"}, callers
+        assert {called for _, _, called in callers} >= {"poll", "send", "recv", "send_pyobj",
+                                                        "recv_pyobj"}, callers
+        assert {function for _, function, _ in callers} == {"wait_for_worker", "barrier",
+                                                            "swap"}, callers
 
 
 def test_a_forked_cpu_worker_keeps_to_its_part_of_the_cores(quick_start_workers):
