@@ -80,7 +80,11 @@ def relay(door, lobby, launcher):
 
     def to_lobby(frames):
         address = frames[-1].get("Peer-Address") or "address unknown"
-        lobby.send_multipart([frames[0].bytes, address.encode(), frames[-1].bytes])
+        try:  # never waits: a PAIR whose lobby has closed would wait for ever
+            lobby.send_multipart([frames[0].bytes, address.encode(), frames[-1].bytes],
+                                 zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the lobby is gone, its last words on their way here: a member's word is moot
 
     def to_members(frames):
         if len(frames) == 1 and frames[0].bytes == ALL_SAID:

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import pytest
 import zmq
 
 from bench.lobby import measure
@@ -119,43 +120,66 @@ def test_a_nodes_last_word_goes_out_however_long_its_thread_is_kept_from_sending
         context.destroy(linger=0)
 
 
-def test_node_0s_door_passes_on_its_last_words_that_reach_it_after_the_launcher_said_bye():
-    """Node 0's door (``door.py``) sends its members what node 0's lobby
-    said last, up to its word that it said all, though those words reach
-    the door a second after the launcher's bye (a busy machine); then it
-    ends and leaves nothing."""
-    secret, address = secrets.token_urlsafe(24), f"127.0.0.1:{free_port()}"
+def start_a_door(context, address, secret):
+    """Node 0's door (``door.py``) at ``address``, as a lobby starts it, and a
+    member of it let through: (the door's process, the lobby's PAIR to it,
+    the member's socket, the member's identity at the door)."""
     public, private = curve_keys(secret)
     opened = subprocess.Popen([sys.executable, door.__file__], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE)
+    opened.stdin.write(json.dumps(dict(address=address, public=public.decode(),
+                                       private=private.decode(), message_limit=1 << 16,
+                                       nodes=2)).encode() + b"\n")
+    opened.stdin.flush()
+    inner = json.loads(opened.stdout.readline())["lobby"]
+    lobby = context.socket(zmq.PAIR)
+    lobby.connect(f"ipc://{inner}")
+    member = context.socket(zmq.DEALER)
+    member.curve_serverkey, member.curve_publickey, member.curve_secretkey = public, public, \
+        private
+    member.connect(f"tcp://{address}")
+    member.send_multipart([b"", hello(1, {})])
+    assert lobby.poll(10_000), "the member's hello did not reach the lobby"
+    return opened, lobby, member, lobby.recv_multipart()[0], os.path.dirname(inner)
+
+
+def closed(opened):
+    """The door's process ended, its output closed."""
+    if opened.poll() is None:
+        opened.kill()
+    opened.wait()
+    opened.stdout.close()
+
+
+@pytest.mark.parametrize("late", ["last words", "a member's word"])
+def test_node_0s_door_passes_on_its_last_words_and_ends(late):
+    """Node 0's door sends its members what node 0's lobby said last, up to
+    its word that it said all, then ends within seconds and leaves nothing:
+    though those words reach the door a second after the launcher's bye;
+    and though a member speaks once the lobby has closed (a word for a lobby
+    that is gone waited for ever: the door, killed 10 s later, kept node 0
+    from ending)."""
     context = zmq.Context()
+    opened, lobby, member, identity, folder = start_a_door(
+        context, f"127.0.0.1:{free_port()}", secrets.token_urlsafe(24))
     try:
-        opened.stdin.write(json.dumps(dict(address=address, public=public.decode(),
-                                           private=private.decode(), message_limit=1 << 16,
-                                           nodes=2)).encode() + b"\n")
-        opened.stdin.flush()
-        inner = json.loads(opened.stdout.readline())["lobby"]
-        lobby = context.socket(zmq.PAIR)
-        lobby.connect(f"ipc://{inner}")
-        member = context.socket(zmq.DEALER)
-        member.curve_serverkey, member.curve_publickey, member.curve_secretkey = public, public, \
-            private
-        member.connect(f"tcp://{address}")
-        member.send_multipart([b"", hello(1, {})])
-        assert lobby.poll(10_000), "the member's hello did not reach the lobby"
-        identity = lobby.recv_multipart()[0]
-        opened.stdin.write(door.BYE)
-        opened.stdin.close()
-        time.sleep(1)
+        if late == "last words":
+            opened.stdin.write(door.BYE)
+            opened.stdin.close()
+            time.sleep(1)
         lobby.send_multipart([identity, b"", b"node 0's last word"])
         lobby.send_multipart([door.ALL_SAID])
         assert member.poll(10_000), "node 0's last word did not reach its member"
         assert member.recv_multipart()[-1] == b"node 0's last word"
-        assert opened.wait(10) == 0
-        assert not os.path.exists(os.path.dirname(inner))
+        if late == "a member's word":
+            lobby.close(linger=1000)
+            time.sleep(0.5)
+            member.send_multipart([b"", b"a member's word"])
+            time.sleep(0.5)
+            opened.stdin.write(door.BYE)
+            opened.stdin.close()
+        assert opened.wait(5) == 0
+        assert not os.path.exists(folder)
     finally:
-        if opened.poll() is None:
-            opened.kill()
-        opened.wait()
-        opened.stdout.close()
+        closed(opened)
         context.destroy(linger=0)
