@@ -21,6 +21,7 @@ one JSON line on its standard output once it listens (where the lobby
 finds it, or why it cannot listen), and ends when its standard input
 closes or says BYE: the launcher ended, however it ended.
 """
+import collections
 import json
 import os
 import shutil
@@ -64,45 +65,68 @@ def open_door(context, settings):
     return door
 
 
+class Relay:
+    """What passes through the door: a member's word to the lobby as [its
+    identity, the address it came from, the word], the lobby's to its members
+    as the lobby sends it (identity first).  No queue is bounded, so that
+    neither side waits on the other: a member's words wait here while the
+    lobby cannot take them (it connects after the door opens; closed, it
+    takes none, and a send to it would wait for ever)."""
+
+    def __init__(self, door, lobby):
+        self.door, self.lobby, self.said = door, lobby, False
+        self.for_lobby = collections.deque()
+
+    def to_lobby(self, frames):
+        address = frames[-1].get("Peer-Address") or "address unknown"
+        self.for_lobby.append([frames[0].bytes, address.encode(), frames[-1].bytes])
+        self.flush()
+
+    def flush(self):
+        """The members' words, as far as the lobby takes them now."""
+        while self.for_lobby:
+            try:
+                self.lobby.send_multipart(self.for_lobby[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.for_lobby.popleft()
+
+    def to_members(self, frames):
+        if len(frames) == 1 and frames[0].bytes == ALL_SAID:
+            self.said = True
+        else:
+            self.door.send_multipart(frames)
+
+
 def relay(door, lobby, launcher):
-    """Pass messages both ways until the launcher's pipe closes: a member's
-    as [its identity, the address it came from, the message], the lobby's
-    as it sends them (identity first).  Neither side's queue is bounded, so
-    that neither waits on the other.  A launcher that closed its lobby says
-    BYE: its last words, which reach this process by another way than the
-    pipe, go out first, up to the lobby's ALL_SAID (a machine so busy that
-    they come seconds later still sends them); a launcher killed says
-    nothing, and what it said is passed on within 0.2 s."""
+    """Pass messages both ways (``Relay``) until the launcher's pipe closes.
+    A launcher that closed its lobby says BYE: its last words, which reach
+    this process by another way than the pipe, go out first, up to the
+    lobby's ALL_SAID (a machine so busy that they come seconds later still
+    sends them); a launcher killed says nothing, and what it said is passed
+    on within 0.2 s."""
     poller = zmq.Poller()
     for socket in (door, lobby, launcher):
         poller.register(socket, zmq.POLLIN)
-    said = []
-
-    def to_lobby(frames):
-        address = frames[-1].get("Peer-Address") or "address unknown"
-        try:  # never waits: a PAIR whose lobby has closed would wait for ever
-            lobby.send_multipart([frames[0].bytes, address.encode(), frames[-1].bytes],
-                                 zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # the lobby is gone, its last words on their way here: a member's word is moot
-
-    def to_members(frames):
-        if len(frames) == 1 and frames[0].bytes == ALL_SAID:
-            said.append(True)
-        else:
-            door.send_multipart(frames)
+    passing = Relay(door, lobby)
     while True:
-        events = dict(poller.poll())
+        events = dict(poller.poll(100 if passing.for_lobby else None))
+        passing.flush()
         if door in events:
-            pass_on(door, to_lobby)
+            pass_on(door, passing.to_lobby)
         if lobby in events:
-            pass_on(lobby, to_members)
+            pass_on(lobby, passing.to_members)
         if launcher in events:
-            bye = os.read(launcher, 1)
-            deadline = time.monotonic() + (LAST_WORDS_S if bye == BYE else 0.2)
-            while not said and lobby.poll(max(0.0, deadline - time.monotonic()) * 1000):
-                pass_on(lobby, to_members)
-            return
+            return last_words(lobby, passing, os.read(launcher, 1) == BYE)
+
+
+def last_words(lobby, passing, bye):
+    """What the lobby said last, passed on up to its ALL_SAID: for up to
+    ``LAST_WORDS_S`` once its launcher said ``bye``, 0.2 s where the
+    launcher was killed."""
+    deadline = time.monotonic() + (LAST_WORDS_S if bye else 0.2)
+    while not passing.said and lobby.poll(max(0.0, deadline - time.monotonic()) * 1000):
+        pass_on(lobby, passing.to_members)
 
 
 def pass_on(source, send):

@@ -122,8 +122,9 @@ def test_a_nodes_last_word_goes_out_however_long_its_thread_is_kept_from_sending
 
 def start_a_door(context, address, secret):
     """Node 0's door (``door.py``) at ``address``, as a lobby starts it, and a
-    member of it let through: (the door's process, the lobby's PAIR to it,
-    the member's socket, the member's identity at the door)."""
+    member of it let through, who knocked before the lobby had connected:
+    (the door's process, the lobby's PAIR to it, the member's socket, the
+    member's identity at the door, the door's private folder)."""
     public, private = curve_keys(secret)
     opened = subprocess.Popen([sys.executable, door.__file__], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE)
@@ -132,13 +133,14 @@ def start_a_door(context, address, secret):
                                        nodes=2)).encode() + b"\n")
     opened.stdin.flush()
     inner = json.loads(opened.stdout.readline())["lobby"]
-    lobby = context.socket(zmq.PAIR)
-    lobby.connect(f"ipc://{inner}")
     member = context.socket(zmq.DEALER)
     member.curve_serverkey, member.curve_publickey, member.curve_secretkey = public, public, \
         private
     member.connect(f"tcp://{address}")
     member.send_multipart([b"", hello(1, {})])
+    time.sleep(0.5)  # a member that knocks before the lobby has connected to its door
+    lobby = context.socket(zmq.PAIR)
+    lobby.connect(f"ipc://{inner}")
     assert lobby.poll(10_000), "the member's hello did not reach the lobby"
     return opened, lobby, member, lobby.recv_multipart()[0], os.path.dirname(inner)
 

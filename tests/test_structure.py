@@ -58,7 +58,8 @@ def test_the_door_imports_zmq_alone():
     """Node 0's door (``multi_gpu.door``) starts as a script in a process of
     its own: nothing of the package, nothing that needs PyTensor's flags."""
     assert imported(ROOT / "multi_gpu" / "door.py") == {
-        "json", "os", "shutil", "sys", "tempfile", "time", "zmq", "zmq.auth.thread"}
+        "collections", "json", "os", "shutil", "sys", "tempfile", "time", "zmq",
+        "zmq.auth.thread"}
 
 
 def test_the_tutorial_scripts_take_one_line_from_the_package():
