@@ -322,8 +322,9 @@ def test_a_restart_past_the_trace_window_still_writes_the_trace(tmp_path, no_lef
     window moves to the epoch it trains first, and the trace and its picture
     are written, of that window; the weights are the uninterrupted run's."""
     ckpt, traced = tmp_path / "t.npz", tmp_path / "t.json"
+    # paced: on a busy machine an unpaced run had ended before the kill reached it
     proc = start_dual("cpu", "cpu", "--epochs", 4, "--save", ckpt, "--max-restarts", 1,
-                      "--trace", traced, "--trace-from", 1, "--trace-steps", 5)
+                      "--trace", traced, "--trace-from", 1, "--trace-steps", 5, env=PACED)
     wait_for(lambda: next((line for line in iter(proc.stdout.readline, "")
                            if line.startswith("epoch 2/")), None), 120, "epoch 2")
     workers_of(proc)[1].send_signal(signal.SIGKILL)
