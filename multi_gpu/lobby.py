@@ -23,6 +23,7 @@ import time
 import zmq
 
 from multi_gpu import cli, door, files, records
+from multi_gpu.hooks import stopping
 from multi_gpu.cli import UsageError
 from multi_gpu.nodes import (LOST_AFTER, SECRET_VARIABLE, Alone, Heartbeats, Standing,
                              check_port, curve_keys, host_and_port, run_secret)
@@ -347,7 +348,6 @@ class Member(Heartbeats):
 
     @staticmethod
     def answer_of(member, monitor, address, timeout):
-        from multi_gpu.hooks import stopping
         deadline = time.monotonic() + timeout
         while not member.poll(100):
             if monitor.poll(0):
@@ -383,7 +383,6 @@ class Member(Heartbeats):
         back: None where node 0 fails or is lost first, or says nothing in
         time.  While node 0 waits for a lost node to come back, so does this
         one, and says so once."""
-        from multi_gpu.hooks import stopping
         deadline, said = time.monotonic() + LOST_AFTER + 10, None
         while not (self.ordered() or self.verdict() or stopping.is_set()):
             waiting = self.node0.waiting
