@@ -24,13 +24,11 @@ import time
 
 import pytensor
 
-from multi_gpu import cli, datasets, lobby, memory, records
+from multi_gpu import cli, datasets, lobby, memory, records, xla_runtime
 from multi_gpu.cli import UsageError
 from multi_gpu.nodes import check_port, free_port, host_and_port, on_loopback
 from multi_gpu.trainer import steps_per_epoch
 from multi_gpu.hooks import fault_spec_problem
-
-
 
 
 # Run in a process of its own: a launcher that started CUDA could not fork
@@ -170,8 +168,9 @@ def check_xla(args, gpus, shared):
     if args.sync or args.avg or args.staged:
         raise UsageError("--sync, --avg and --staged choose how --exchange p2p works; "
                          "--exchange xla averages inside the compiled step")
-    if importlib.util.find_spec("jax") is None:
-        raise UsageError("--exchange xla needs JAX: pip install jax")
+    problem = xla_runtime.jax_problem(cpu=not gpus)
+    if problem:
+        raise UsageError(problem)
     if gpus and shared:
         raise UsageError("--exchange xla needs a different GPU for every worker")
 

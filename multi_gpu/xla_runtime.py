@@ -9,6 +9,7 @@ and compiles over it; ``XlaOrdered`` is ``dual_mlp.py``'s step inside it.
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import contextlib
 import functools
+import importlib.metadata
 import os
 import sys
 import threading
@@ -19,6 +20,24 @@ from multi_gpu import devices
 from multi_gpu.devices import storage
 from multi_gpu.trainer import DeviceOrdered, local_sgd, minibatch
 from multi_gpu.worker import quit_now
+
+# jaxlib releases whose all-reduce between CPU processes (gloo) hangs in the step's first
+# call: the same compiled step (saved by jax.export) runs on the release before, 0.12.0.1
+HANGING_CPU_ALL_REDUCE = {"0.12.1"}
+
+
+def jax_problem(cpu):
+    """Why the JAX installed cannot run ``--exchange xla`` (on CPUs: ``cpu``),
+    in one line; None where it can."""
+    try:
+        jaxlib = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return "--exchange xla needs JAX: pip install jax"
+    if cpu and jaxlib in HANGING_CPU_ALL_REDUCE:
+        return (f"--exchange xla on CPUs: jaxlib {jaxlib}'s all-reduce between CPU processes "
+                f"(gloo) hangs in the step's first call: pip install 'jax[cpu]!={jaxlib}' "
+                "(as requirements.txt asks)")
+    return None
 
 
 class XlaExchange:

@@ -3,6 +3,7 @@ runtime (--exchange xla, gloo between CPU processes), and the 2014 exchange
 for N workers (--exchange p2p, host memory between CPU processes): real
 processes, real sockets, the shipped digits."""
 import argparse
+import importlib.metadata
 import json
 import os
 import signal
@@ -259,6 +260,27 @@ def test_every_option_is_compared_at_the_lobby_or_is_a_nodes_own():
     assert not compared & own
     assert options - compared - own == set()
     assert own <= options  # the run options may be derived (workers in all, platform)
+
+
+def test_a_jaxlib_whose_cpu_all_reduce_hangs_is_refused_in_one_line(monkeypatch, capsys,
+                                                                     no_leftovers):
+    """jaxlib 0.12.1 hangs in the first all-reduce (gloo) of the step between
+    CPU processes, every worker waiting in gloo for ever (its release before
+    runs the same step, saved by jax.export): --exchange xla on CPUs says so
+    before anything starts, rather than stalling for --timeout and blaming a
+    worker.  A GPU run's all-reduce is NCCL's, not refused."""
+    version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "0.12.1" if name == "jaxlib" else version(name))
+    for args in (["cpu", "cpu", "--exchange", "xla"],
+                 ["cpu", "cpu", "cpu", "--exchange", "xla", "--epochs", "1"]):
+        out = refused(capsys, *args)
+        assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+            "dual_mlp.py: error: --exchange xla on CPUs: jaxlib 0.12.1's all-reduce between CPU "
+            "processes (gloo) hangs in the step's first call: pip install 'jax[cpu]!=0.12.1' "
+            "(as requirements.txt asks)"], out.stderr
+    from multi_gpu import xla_runtime
+    assert xla_runtime.jax_problem(cpu=False) is None
 
 
 def test_bad_requests_for_many_workers_get_one_line_exit_2(tmp_path, no_leftovers, capsys):
