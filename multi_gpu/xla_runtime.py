@@ -10,6 +10,7 @@ from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's 
 import contextlib
 import functools
 import importlib.metadata
+import importlib.util
 import os
 import sys
 import threading
@@ -29,14 +30,14 @@ HANGING_CPU_ALL_REDUCE = {"0.12.1"}
 def jax_problem(cpu):
     """Why the JAX installed cannot run ``--exchange xla`` (on CPUs: ``cpu``),
     in one line; None where it can."""
-    try:
-        jaxlib = importlib.metadata.version("jaxlib")
-    except importlib.metadata.PackageNotFoundError:
+    if importlib.util.find_spec("jax") is None:
         return "--exchange xla needs JAX: pip install jax"
-    if cpu and jaxlib in HANGING_CPU_ALL_REDUCE:
-        return (f"--exchange xla on CPUs: jaxlib {jaxlib}'s all-reduce between CPU processes "
-                f"(gloo) hangs in the step's first call: pip install 'jax[cpu]!={jaxlib}' "
-                "(as requirements.txt asks)")
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # built from source: its release unknown
+        jaxlib = importlib.metadata.version("jaxlib")
+        if cpu and jaxlib in HANGING_CPU_ALL_REDUCE:
+            return (f"--exchange xla on CPUs: jaxlib {jaxlib}'s all-reduce between CPU processes "
+                    f"(gloo) hangs in the step's first call: pip install 'jax[cpu]!={jaxlib}' "
+                    "(as requirements.txt asks)")
     return None
 
 
