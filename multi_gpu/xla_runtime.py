@@ -32,7 +32,7 @@ def jax_problem(cpu):
     in one line; None where it can."""
     if importlib.util.find_spec("jax") is None:
         return "--exchange xla needs JAX: pip install jax"
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # built from source: its release unknown
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # built from source
         jaxlib = importlib.metadata.version("jaxlib")
         if cpu and jaxlib in HANGING_CPU_ALL_REDUCE:
             return (f"--exchange xla on CPUs: jaxlib {jaxlib}'s all-reduce between CPU processes "
