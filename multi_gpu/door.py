@@ -97,6 +97,14 @@ class Relay:
         else:
             self.door.send_multipart(frames)
 
+    def last_words(self, bye):
+        """What the lobby said last, passed on up to its ALL_SAID: for up to
+        ``LAST_WORDS_S`` once its launcher said ``bye``, 0.2 s where the
+        launcher was killed."""
+        deadline = time.monotonic() + (LAST_WORDS_S if bye else 0.2)
+        while not self.said and self.lobby.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            pass_on(self.lobby, self.to_members)
+
 
 def relay(door, lobby, launcher):
     """Pass messages both ways (``Relay``) until the launcher's pipe closes.
@@ -117,16 +125,7 @@ def relay(door, lobby, launcher):
         if lobby in events:
             pass_on(lobby, passing.to_members)
         if launcher in events:
-            return last_words(lobby, passing, os.read(launcher, 1) == BYE)
-
-
-def last_words(lobby, passing, bye):
-    """What the lobby said last, passed on up to its ALL_SAID: for up to
-    ``LAST_WORDS_S`` once its launcher said ``bye``, 0.2 s where the
-    launcher was killed."""
-    deadline = time.monotonic() + (LAST_WORDS_S if bye else 0.2)
-    while not passing.said and lobby.poll(max(0.0, deadline - time.monotonic()) * 1000):
-        pass_on(lobby, passing.to_members)
+            return passing.last_words(os.read(launcher, 1) == BYE)
 
 
 def pass_on(source, send):

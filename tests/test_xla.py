@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
-from multi_gpu import records
+from multi_gpu import records, xla_runtime
 from conftest import (PACED, SHAPES, assert_identical_checkpoints, child_running, dual, finish,
                       kill_one_worker, leftover_workers, refused, run_directories, run_once,
                       start_dual, start_node, two_epochs, wait_for, wait_until_training, workers_of)
@@ -279,7 +279,6 @@ def test_a_jaxlib_whose_cpu_all_reduce_hangs_is_refused_in_one_line(monkeypatch,
             "dual_mlp.py: error: --exchange xla on CPUs: jaxlib 0.12.1's all-reduce between CPU "
             "processes (gloo) hangs in the step's first call: pip install 'jax[cpu]!=0.12.1' "
             "(as requirements.txt asks)"], out.stderr
-    from multi_gpu import xla_runtime
     assert xla_runtime.jax_problem(cpu=False) is None
 
 
