@@ -49,7 +49,7 @@ import zmq
 
 import mlp
 from logistic_sgd import load_data
-from multi_gpu import (cli, datasets, devices, files, records, report, request, restarts,
+from multi_gpu import (cli, datasets, devices, files, records, report, request, supervisor,
                        trace, xla_cache)
 from multi_gpu.devices import place, storage
 from multi_gpu.hooks import Interrupted, stop_point, stopping
@@ -574,7 +574,7 @@ def main(argv=None):
         # survive the fork (2014 forked first, then imported Theano)
         start = functools.partial(run_worker, worker, one_line_errors=(
             PeerError, records.CheckpointError, datasets.DatasetError, report.Diverged))
-        code = restarts.supervise(args, shapes, start, rundir, link)
+        code = supervisor.Supervisor(args, shapes, start, rundir, link).run()
     if code == 0:
         cli.say(report.ended(args, time.perf_counter() - started))
     return code

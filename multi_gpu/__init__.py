@@ -12,11 +12,11 @@
 ``memory``           the memory a worker may still take (the machine, cgroups, ulimit -v)
 ``xla_cache``        XLA's persistent cache of compiled programs
 ``request``          the launcher's checks of the request, and the run it prepares
-``launcher``         the launcher's side: forks and supervises (and restarts) the workers
+``supervisor``       the run's life: start, train, wait for a lost node, restart, end
+``launcher``         the launcher's side: forks and stops the worker processes
 ``nodes``            several machines: the run's secret, the nodes' heartbeats
 ``lobby``            node 0's lobby: who joins, who comes back, what each node keeps
 ``door``             the lobby's public socket, in a process of its own
-``restarts``         --max-restarts: where the run starts again, a lost node waited for
 ``worker``           the worker's side: orphans, the watchdog, its exit and its one line
 ``hooks``            where a run may stop or fail on purpose: stop requests, the fault tests'
                      hook

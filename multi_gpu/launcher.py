@@ -1,14 +1,11 @@
-"""The launcher's side of dual_mlp.py: start, supervise.
+"""The launcher's side of dual_mlp.py: its worker processes.
 
-Once ``request.py`` has checked the request, ``launch`` forks one worker
-process per local device, each
-seeing its own GPU only, passes their error output through, and if one
-fails stops the others at once (SIGTERM, then SIGKILL after two seconds)
-and names the worker and the line of its output that says what went wrong,
-or, where ``--max-restarts`` allows, has them all started again
-(``restarts.py``).  Where the run has several nodes, it hears from the
-others through ``lobby.py`` (node 0's lobby, the heartbeats).
-``worker.py`` is the other side of the process boundary.
+Once ``request.py`` has checked the request, ``fork_workers`` forks one
+worker process per local device, each seeing its own GPU only, whose error
+output passes through a ``Worker``; ``stop`` ends them (SIGTERM, then
+SIGKILL after two seconds), and a failed one names the line of its output
+that says what went wrong.  ``supervisor.py`` runs the run's life with
+them; ``worker.py`` is the other side of the process boundary.
 """
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags, before PyTensor
 import collections
@@ -27,9 +24,8 @@ import time
 import traceback
 import warnings
 
-from multi_gpu import cli, datasets, files, records
+from multi_gpu import cli, datasets, files
 from multi_gpu.nodes import LOST_AFTER
-from multi_gpu.hooks import fault_point, request_stop, stopping
 from multi_gpu.worker import forget_the_launchers_state, heartbeat_path
 
 
@@ -272,58 +268,6 @@ def unkillable(left):
                    "left as it is" for w in left)
 
 
-def launch(args, shapes, start, rundir, link):
-    """Fork the workers (each runs ``start(INDEX, LAUNCHER_PID, RUN_FOLDER)``),
-    then make the run folder and leave the request there, and watch them and
-    the other nodes (``link``); if a worker fails or stops running, or
-    another node does, or node 0 orders the run to start again, stop the
-    others at once.  Returns (the exit
-    code, the traceback of a worker that failed unexpectedly, what failed
-    in one line: None where the run ended, or said why itself; whether a
-    node was lost, or ended for good).
-
-    In that order, wherever this launcher dies (even by SIGKILL), a worker
-    is there to remove the folder: each waits for the request only while
-    its launcher lives, and one that finds itself orphaned, or that Linux
-    tells, removes the folder before it goes (``run_worker``).  The name is
-    unguessable and shown nowhere another user can read, and the folder is
-    made exclusively (``files.make_folder``): one that is there already is
-    someone else's, and is left as it is."""
-    cli.install_stop_handler(request_stop)
-    files.keep_descriptors()
-    made = False
-    Worker.quiet = False
-    try:
-        workers = fork_workers(args, start, rundir)
-        fault_point("launcher", "spawned")
-        try:
-            files.make_folder(rundir)
-        except FileExistsError:
-            stop(workers)
-            cli.say(f"error: the run folder {rundir} exists already, made by someone else: the "
-                    "run stops and leaves it as it is", file=sys.stderr)
-            return 1, "", None, False
-        made = True
-        fault_point("launcher", "folder")
-        problem = leave_the_request(args, rundir)
-        if problem:
-            cli.say(f"error: {problem}", file=sys.stderr)
-            return 1, "", None, False
-        ended = watch(workers, rundir, link, args)
-        if ended:
-            return ended
-        left = stop(workers)
-        link.tell("failed", f"interrupted ({signal.Signals(stopping.signum).name})", final=True)
-        cli.say(f"interrupted ({signal.Signals(stopping.signum).name})"
-                f"{records.resume_hint(args, shapes)}{unkillable(left)}", file=sys.stderr)
-        return 128 + stopping.signum, "", None, False
-    finally:
-        why = made and files.remove_folder(rundir)
-        if why:
-            cli.say(f"error: the run folder {rundir} could not be removed ({why}): remove it "
-                    "by hand", file=sys.stderr)
-
-
 def fork_workers(args, start, rundir):
     """A worker for each of this node's devices, forked from here."""
     preload()
@@ -364,85 +308,12 @@ def leave_the_request(args, rundir):
     return None
 
 
-def watch(workers, rundir, link, args):
-    """Until the workers all end well, or one fails or stops running, or
-    another node is lost, or node 0 orders the run to start again, or the
-    other nodes bring this node 0 the run they kept: the launch's result
-    (``launch``); None once the run is asked to stop.  Meanwhile node 0's
-    checkpoint goes to the others at each save, and node 0 says whom it
-    waits for while a node has not joined."""
-    patience, meeting = stall_patience(args.timeout), time.monotonic() + args.timeout
-    while not stopping.is_set():
-        link.share_saved(args.save)
-        link.say_who_is_missing(meeting, args.timeout)
-        codes = [w.proc.poll() for w in workers]
-        if all(code == 0 for code in codes):
-            link.tell("done")
-            return 0, "", None, False
-        failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
-        stalled = [w for w, code in zip(workers, codes)
-                   if code is None and w.stalled(rundir, patience)]
-        verdict, order, kept = link.verdict(), link.ordered(), link.kept_by_others()
-        if order or kept:  # node 0 starts the run again: another node failed, or came back
-            left = stop(workers)
-            why = order["why"] if order else f"{kept['who']} kept the run"
-            return 1, "", f"{why}{unkillable(left)}", False
-        if failed or stalled or verdict:
-            return what_failed(workers, failed, stalled, verdict, link, rundir, patience)
-        time.sleep(0.05)
-    return None
-
-
 def by_cause(failed):
     """The failed workers, the cause first: one killed by a signal, then one
     that said what went wrong in our own words, then the one whose error came
     first; the others' errors may only follow from theirs (a peer's socket
     gone between its poll and its send)."""
     return sorted(failed, key=lambda w: (w.proc.returncode > 0, not w.said_why(), w.last_word))
-
-
-def what_failed(workers, failed, stalled, verdict, link, rundir, patience):
-    """Stop the workers, and say what failed first, where (the launch's
-    result); None where Ctrl-C reached the workers first."""
-    at = position(rundir, workers[0].rank)
-    left = stop(workers)
-    failed = by_cause(failed)
-    if any(w.proc.returncode == 128 + signal.SIGPIPE for w in failed):
-        return 128 + signal.SIGPIPE, "", None, False  # stdout was closed: end as quietly
-    if failed and all(w.proc.returncode in (130, 143) for w in failed) and not verdict:
-        stopping.signum = failed[0].proc.returncode - 128  # Ctrl-C reached them first
-        return None
-    # a collective that broke under us: it raised, or JAX's runtime aborted (SIGABRT)
-    if failed and not (verdict or stalled) and link.others and \
-            (failed[0].proc.returncode > 0 or failed[0].proc.returncode == -signal.SIGABRT) \
-            and not failed[0].said_why():
-        verdict = another_nodes_word(link)
-        if link.ordered():
-            return 1, "", link.ordered()["why"], False
-    trace, why = "", verdict
-    if not why and failed and failed[0].said_why() and any(
-            "did not all meet at the coordinator" in line for line in failed[0].tail):
-        why = link.never_joined()  # node 0: the nodes it waited for, not JAX's address
-    if not why and stalled:
-        why = f"worker {stalled[0].rank} (device {stalled[0].dev}) stopped: silent for " \
-            f"{patience:g} s"
-    elif not why:
-        trace, cause = failed[0].cause()
-        why = f"worker {failed[0].rank} (device {failed[0].dev}) failed: {cause}"
-    at = "" if " at epoch " in why else at  # another node's word says where already
-    return 2 if Worker.BAD_INPUT in why else 1, trace, f"{why}{at}{unkillable(left)}", \
-        bool(verdict) and link.gone()
-
-
-def another_nodes_word(link):
-    """Did another node fail or go first?  Its word (``link.verdict``) or
-    node 0's order, once either comes, within the time a node is lost in."""
-    deadline = time.monotonic() + LOST_AFTER + 1
-    verdict = link.verdict()
-    while not (verdict or link.ordered()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        verdict = link.verdict()
-    return verdict
 
 
 def stall_patience(timeout):

@@ -202,6 +202,9 @@ class NotNode0:
     def kept_by_others(self):
         return None
 
+    def came_back(self):
+        return None
+
     def share_saved(self, path):
         pass
 
