@@ -132,7 +132,7 @@ class Lobby(Heartbeats):
             shutil.rmtree(folder, ignore_errors=True)
 
     def standings(self):
-        return [standing for _, standing in list(self.members.values())]
+        return list(self.members.values())
 
     def answer(self, frames, reply):
         send_or_drop(self.socket, [frames[0].bytes, b"", json.dumps(reply).encode()])
@@ -140,7 +140,7 @@ class Lobby(Heartbeats):
     def received(self, frames):
         identity, message = frames[0].bytes, json.loads(frames[-1].bytes)
         if identity in self.members:  # a member's heartbeat
-            self.members[identity][1].heard_from(message["beat"])
+            self.members[identity].heard_from(message["beat"])
             return
         why, address = self.judge(message), frames[1].bytes.decode()  # as the door saw it
         if why:
@@ -149,8 +149,7 @@ class Lobby(Heartbeats):
         rank, kept = message["node_rank"], message.get("kept")
         back = self.drop_lost(rank) or bool(kept)
         with self.lock:
-            self.members[identity] = (rank, Standing(f"node {rank} ({address})", self.listened,
-                                                      self.generation))
+            self.members[identity] = Standing(rank, address, self.listened, self.generation)
             self.identities[rank] = identity
             if kept and kept.get("run") != self.run:
                 self.kept[rank] = dict(kept, rank=rank, who=f"node {rank} ({address})")
@@ -181,7 +180,7 @@ class Lobby(Heartbeats):
         why = self.judge_options(options)
         if why:
             return f"node 0 runs other options: {why}"
-        there = self.members[self.identities[rank]][1] if rank in self.identities else None
+        there = self.members[self.identities[rank]] if rank in self.identities else None
         if there and not there.gone():
             return (f"node {rank} of the run at {self.address} has joined already: is another "
                     "run using this --coordinator?")
@@ -203,7 +202,7 @@ class Lobby(Heartbeats):
 
     def missing(self):
         """The ranks of the nodes with no member here that stands, in words."""
-        standing = {rank for rank, s in list(self.members.values()) if not s.gone()}
+        standing = {s.rank for s in list(self.members.values()) if not s.gone()}
         return [f"node {r}" for r in range(1, self.nodes) if r not in standing]
 
     def unjoined(self):
@@ -335,8 +334,7 @@ class Member(Heartbeats):
         self.jax_coordinator, self.run, self.back = answer["jax_coordinator"], answer["run"], \
             answer["back"]
         self.order = answer["order"] or self.order
-        self.node0 = Standing(f"node 0 ({host_and_port(self.address)[0]})", self.listened,
-                              self.generation)
+        self.node0 = Standing(0, host_and_port(self.address)[0], self.listened, self.generation)
         self.start_beating(self.context, member)
 
     def rejoin(self, timeout):

@@ -14,6 +14,9 @@ nodes; the workers' own collectives (gloo, NCCL) would wait minutes for a
 peer whose cable is cut, and say nothing of who it was.
 """
 import collections
+import collections.abc
+import dataclasses
+import enum
 import errno
 import hashlib
 import json
@@ -141,26 +144,45 @@ def curve_keys(secret):
     return zmq.curve_public(private), private
 
 
-def beat(state="running", why=None, final=False, generation=0):
+class NodeState(enum.Enum):
+    """How a node stands, as its heartbeats say."""
+    RUNNING = "running"
+    WAITING = "waiting"  # node 0, for a lost node to come back (``why``)
+    FAILED = "failed"    # ``why``: what went wrong, in one line
+    DONE = "done"
+
+
+def beat(state=NodeState.RUNNING, why=None, final=False, generation=0):
     """A heartbeat: how the node that sends it stands."""
-    return json.dumps({"beat": dict(state=state, why=why, final=final,
+    return json.dumps({"beat": dict(state=state.value, why=why, final=final,
                                     generation=generation)}).encode()
 
 
+@dataclasses.dataclass
 class Standing:
-    """How a node stands, as its heartbeats tell the others: ``running``,
-    ``waiting`` (node 0, for a lost node to come back: ``why``),
-    ``failed`` (``why``: what went wrong, in one line), or ``done``; and
-    when it was last heard from, by ``clock``, the listener's seconds
-    (``Heartbeats.listened``).  Its heartbeats count from the run's
-    ``generation`` on (each restart is one more: ``--max-restarts``)."""
+    """What a node knows of another: its rank and address, how it stands
+    (``state``, as its heartbeats tell), since which generation of the run
+    (each restart is one more: ``--max-restarts``), and when it was last
+    heard from, by ``clock``, the listener's seconds (``Heartbeats.listened``)."""
+    rank: int
+    address: str
+    clock: collections.abc.Callable
+    generation: int = 0
+    state: NodeState = NodeState.RUNNING
+    why: str | None = None
+    final: bool = False  # failed for good: no restart brings it back
+    waiting: str | None = None  # node 0's words while it waits for a lost node
+    heard: float = dataclasses.field(default=None)
 
-    def __init__(self, name, clock, generation=0):
-        self.name, self.clock = name, clock
-        self.restart(generation)
+    def __post_init__(self):
+        self.restart(self.generation)
+
+    @property
+    def name(self):
+        return f"node {self.rank} ({self.address})"
 
     def restart(self, generation):
-        self.state, self.why, self.final, self.heard = "running", None, False, self.clock()
+        self.state, self.why, self.final, self.heard = NodeState.RUNNING, None, False, self.clock()
         self.generation, self.waiting = generation, None
 
     def silent_for(self):
@@ -174,21 +196,22 @@ class Standing:
         if beat.get("generation", 0) < self.generation:
             return  # an earlier start's last words
         self.spoke()
-        self.waiting = str(beat.get("why"))[:400] if beat.get("state") == "waiting" else None
-        if self.state == "running" and beat.get("state") in ("failed", "done"):
-            self.state, self.why = beat["state"], str(beat.get("why"))[:400]
+        said = NodeState(beat.get("state"))
+        self.waiting = str(beat.get("why"))[:400] if said is NodeState.WAITING else None
+        if self.state is NodeState.RUNNING and said in (NodeState.FAILED, NodeState.DONE):
+            self.state, self.why = said, str(beat.get("why"))[:400]
             self.final = beat.get("final") is True
 
     def lost(self):
-        return self.state == "running" and self.silent_for() > LOST_AFTER
+        return self.state is NodeState.RUNNING and self.silent_for() > LOST_AFTER
 
     def gone(self):
         """Lost, or ended for good (no restart brings it back)."""
-        return self.lost() or (self.state == "failed" and self.final)
+        return self.lost() or (self.state is NodeState.FAILED and self.final)
 
     def verdict(self):
         """Why the run cannot go on because of this node, or None."""
-        if self.state == "failed":
+        if self.state is NodeState.FAILED:
             return self.why if self.why.startswith("node ") else f"{self.name}: {self.why}"
         if self.lost():
             return f"{self.name} lost: not heard from for {self.silent_for():.0f} s"
@@ -257,14 +280,14 @@ class Heartbeats(NotNode0):
     def start_beating(self, context, socket):
         self.context, self.socket, self.lock = context, socket, threading.Lock()
         self.outbox, self.open = collections.deque(), True
-        self.tell("running")
+        self.tell(NodeState.RUNNING)
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def tell(self, state, why=None, final=False):
-        """This node now stands so (``waiting``, for a node to come back, with
-        why; ``failed``, with why, and ``final`` where no restart brings it
-        back; ``done``)."""
+        """This node now stands so (a ``NodeState``: waiting, for a node to
+        come back, with why; failed, with why, and ``final`` where no restart
+        brings it back; done)."""
         with self.lock:
             self.mine, self.sent = beat(state, why, final, self.generation), False
 
@@ -273,7 +296,7 @@ class Heartbeats(NotNode0):
         self.generation = generation
         for standing in self.standings():
             standing.restart(generation)
-        self.tell("running")
+        self.tell(NodeState.RUNNING)
 
     def verdict(self):
         """The first other node that failed or was lost, in words; None while all stand."""

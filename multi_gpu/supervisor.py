@@ -48,7 +48,7 @@ from multi_gpu.hooks import fault_point, request_stop, stopping
 from multi_gpu.launcher import (by_cause, fork_workers, leave_the_request, position,
                                 stall_patience, stop, unkillable, Worker)
 from multi_gpu.lobby import NoAnswer
-from multi_gpu.nodes import LOST_AFTER, free_port, host_and_port
+from multi_gpu.nodes import LOST_AFTER, NodeState, free_port, host_and_port
 from multi_gpu.request import check_resume, private_coordinator, run_folder
 
 
@@ -191,7 +191,7 @@ class Supervisor:
             link.say_who_is_missing(meeting, args.timeout)
             codes = [w.proc.poll() for w in workers]
             if all(code == 0 for code in codes):
-                link.tell("done")
+                link.tell(NodeState.DONE)
                 return self.ended(Outcome(0))
             failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
             stalled = [w for w, code in zip(workers, codes)
@@ -210,7 +210,7 @@ class Supervisor:
             time.sleep(0.05)
         left = stop(workers)
         interrupted = f"interrupted ({signal.Signals(stopping.signum).name})"
-        link.tell("failed", interrupted, final=True)
+        link.tell(NodeState.FAILED, interrupted, final=True)
         cli.say(f"{interrupted}{records.resume_hint(args, self.shapes)}{unkillable(left)}",
                 file=sys.stderr)
         return self.ended(Outcome(128 + stopping.signum))
@@ -267,7 +267,7 @@ class Supervisor:
             self.outcome = dataclasses.replace(self.outcome, why=why, lost=lost)
             return State.WAITING if lost or kept else State.RESTARTING
         if not link.ordered():
-            link.tell("failed", why)  # node 0 decides whether the run starts again
+            link.tell(NodeState.FAILED, why)  # node 0 decides whether the run starts again
         if self.outcome.code == 2 or link.generation >= args.max_restarts:
             raise RunEnds(why)
         if not (self.outcome.lost or link.node0.lost()):
@@ -303,7 +303,7 @@ class Supervisor:
             waiting = (f"{why}: waiting up to {args.rejoin_timeout:g} s for {missing} to come "
                        "back (its command again, there or on a replacement machine)")
             cli.say(waiting, file=sys.stderr)
-            link.tell("waiting", waiting)
+            link.tell(NodeState.WAITING, waiting)
         deadline = time.monotonic() + args.rejoin_timeout
         while not link.present():
             if stopping.is_set():
@@ -381,7 +381,7 @@ class Supervisor:
         """Say what failed, in one line, and how to resume; the exit code."""
         why = self.outcome.why
         if why is not None:
-            self.link.tell("failed", why, final=True)
+            self.link.tell(NodeState.FAILED, why, final=True)
             cli.say(f"{self.outcome.trace}error: {why}"
                     f"{records.resume_hint(self.args, self.shapes)}", file=sys.stderr)
         return self.outcome.code

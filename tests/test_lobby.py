@@ -15,7 +15,8 @@ import zmq
 from bench.lobby import measure
 from multi_gpu import door
 from multi_gpu.lobby import hello, send_or_drop
-from multi_gpu.nodes import BEAT_S, LOST_AFTER, Heartbeats, Standing, curve_keys, free_port
+from multi_gpu.nodes import (BEAT_S, LOST_AFTER, Heartbeats, NodeState, Standing, curve_keys,
+                             free_port)
 
 
 def test_node_0_lets_256_members_in_hears_them_all_and_takes_a_lost_one_back():
@@ -41,7 +42,7 @@ class Listener(Heartbeats):
     slow_s = 0.0  # each heartbeat it sends takes so long (a machine that keeps it waiting)
 
     def __init__(self, context, socket):
-        self.other, self.beating = Standing("the other", self.listened), threading.Event()
+        self.other, self.beating = Standing(1, "the other", self.listened), threading.Event()
         self.start_beating(context, socket)
 
     def standings(self):
@@ -90,7 +91,7 @@ def test_a_listener_kept_waiting_counts_no_silence_but_names_a_silent_node_in_it
         while listener.verdict() is None and time.monotonic() - silent < 3 * LOST_AFTER:
             time.sleep(0.05)
         named_after = time.monotonic() - silent
-        assert listener.verdict().startswith("the other lost: not heard from for ")
+        assert listener.verdict().startswith("node 1 (the other) lost: not heard from for ")
         assert LOST_AFTER - 2 * BEAT_S <= named_after < LOST_AFTER + 2, named_after
     finally:
         listener.stop_beating()
@@ -109,10 +110,10 @@ def test_a_nodes_last_word_goes_out_however_long_its_thread_is_kept_from_sending
         speaker.slow_s = 1.5
         speaker.beating.clear()
         speaker.beating.wait(5)
-        speaker.tell("failed", "node 8 (10.77.0.9) lost", final=True)
+        speaker.tell(NodeState.FAILED, "node 8 (10.77.0.9) lost", final=True)
         speaker.stop_beating()
         deadline = time.monotonic() + 5
-        while listener.other.state == "running" and time.monotonic() < deadline:
+        while listener.other.state is NodeState.RUNNING and time.monotonic() < deadline:
             time.sleep(0.05)
         assert listener.other.verdict() == "node 8 (10.77.0.9) lost"
     finally:
