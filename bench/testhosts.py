@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 
 from bench.common import parse_args
 
@@ -42,6 +43,18 @@ class Host:
     def cut(self):
         """Its cable cut: its interface down."""
         ip("-n", self.name, "link", "set", self.interface, "down")
+
+    def mend(self):
+        """Its cable back: its interface up."""
+        ip("-n", self.name, "link", "set", self.interface, "up")
+
+    def door(self):
+        """The pid of node 0's door (``multi_gpu/door.py``) in it."""
+        for pid in self.pids():
+            with contextlib.suppress(OSError, IndexError), open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().split(b"\0")[1].endswith(b"/multi_gpu/door.py"):
+                    return pid
+        raise RuntimeError(f"no door in test host {self.name}")
 
     def pids(self):
         out = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True)
@@ -117,6 +130,14 @@ FAULTS = {
 NODE0_FAULTS = {
     "node 0 killed": lambda host: host.signal(signal.SIGKILL),
     "node 0 cut": lambda host: host.cut(),
+}
+
+
+# A blip: ``BLIPS[name](host, seconds)`` takes ``host`` out for ``seconds``, then back
+BLIPS = {
+    "cut": lambda host, s: (host.cut(), time.sleep(s), host.mend()),
+    "door": lambda host, s: (os.kill(host.door(), signal.SIGSTOP), time.sleep(s),
+                             os.kill(host.door(), signal.SIGCONT)),
 }
 
 

@@ -203,18 +203,31 @@ class Worker:
                     cli.say(line, end="", file=sys.stderr)
                 self.tail.append(line.rstrip())
 
-    def stalled(self, rundir, patience):
+    def stalled(self, rundir, patience, since):
         """Has its heartbeat (``worker.Watchdog``) been still for ``patience``
-        seconds while it trains (its heartbeat names a step)?  Before its
-        first step --timeout governs, as it does meeting and compiling, where
-        a call into JAX may hold Python's lock for seconds; after its last, it
-        only exits."""
+        seconds while it trains (its heartbeat names a step), counted from
+        ``since`` at the earliest (the wall-clock time the launcher last woke
+        from a wait of its own: a machine stopped whole stopped the worker's
+        heartbeat with it)?  Before its first step --timeout governs, as it
+        does meeting and compiling, where a call into JAX may hold Python's
+        lock for seconds; after its last, it only exits."""
         path = heartbeat_path(rundir, self.rank)
         try:
-            if time.time() - os.stat(path).st_mtime < patience:
+            if time.time() - max(os.stat(path).st_mtime, since) < patience:
                 return False
             with open(path) as f:
                 return len(f.read(32).split()) == 2  # "EPOCH STEP", not "done" or nothing
+        except OSError:
+            return False
+
+    def finished(self, rundir):
+        """Has it trained and written all it had to (its heartbeat says
+        "done"), or ended well?  What is left is its exit."""
+        if self.proc.poll() == 0:
+            return True
+        try:
+            with open(heartbeat_path(rundir, self.rank)) as f:
+                return f.read(4) == "done"
         except OSError:
             return False
 

@@ -76,6 +76,7 @@ class Lobby(Heartbeats):
         self.refusals, self.waited = set(), time.monotonic()
         self.shapes = shapes  # the model's: the checkpoints of this run are of it
         self.kept, self.last_order, self.saved = {}, None, None  # rank -> what it kept
+        self.returned = {}  # rank -> the words of a member of this run that came back
         check_port(address)
         self.door, inner = self.open_door(secret)
         self.door_folder = os.path.dirname(inner)
@@ -149,6 +150,12 @@ class Lobby(Heartbeats):
         rank, kept = message["node_rank"], message.get("kept")
         back = self.drop_lost(rank) or bool(kept)
         with self.lock:
+            if kept and kept["run"] == self.run and kept["generation"] >= self.generation:
+                # a member of this very run that lost sight of node 0 for a moment: its
+                # workers are gone, so the run starts again, it too (an earlier generation's
+                # member takes the order it missed instead)
+                self.returned.setdefault(rank, f"node {rank} ({address}) lost sight of node "
+                                         "0 and knocked again")
             self.members[identity] = Standing(rank, address, self.listened, self.generation)
             self.identities[rank] = identity
             if kept and kept.get("run") != self.run:
@@ -180,16 +187,17 @@ class Lobby(Heartbeats):
         why = self.judge_options(options)
         if why:
             return f"node 0 runs other options: {why}"
-        there = self.members[self.identities[rank]] if rank in self.identities else None
-        if there and not there.gone():
-            return (f"node {rank} of the run at {self.address} has joined already: is another "
-                    "run using this --coordinator?")
-        if there and not self.returns:
-            return f"node {rank} was lost, and this run takes no node back (--max-restarts 0)"
         kept = visitor.get("kept")
         if kept is not None and not (isinstance(kept, dict) and isinstance(kept.get("run"), str)
                                      and type(kept.get("generation")) is int):
             return "what it kept of the run is not what a node keeps"
+        there = self.members[self.identities[rank]] if rank in self.identities else None
+        ours = kept is not None and kept["run"] == self.run  # this run's member, knocking again
+        if there and not there.gone() and not ours:
+            return (f"node {rank} of the run at {self.address} has joined already: is another "
+                    "run using this --coordinator?")
+        if there and not self.returns:
+            return f"node {rank} was lost, and this run takes no node back (--max-restarts 0)"
         return None
 
     def beat(self, message):
@@ -232,6 +240,16 @@ class Lobby(Heartbeats):
         with self.lock:
             kept = list(self.kept.values())
         return max(kept, key=lambda k: (k["generation"], k.get("epoch") or 0), default=None)
+
+    def came_back(self):
+        """Why the run must start again: a member of it came back since this
+        generation began (None: none did)."""
+        with self.lock:
+            return next(iter(self.returned.values()), None)
+
+    def restart(self, generation):
+        super().restart(generation)
+        self.returned = {}
 
     def adopt(self, run):
         """This node 0 goes on with the run ``run`` the others kept."""
@@ -339,10 +357,33 @@ class Member(Heartbeats):
 
     def rejoin(self, timeout):
         """Node 0 was lost: knock again at its address, with what this node
-        kept of the run, until node 0 (started again) answers, for at most
-        ``timeout`` s (NoAnswer)."""
+        kept of the run, until node 0 (started again, or back) lets it in,
+        for at most ``timeout`` s (NoAnswer).  A refusal ends the wait
+        (UsageError), unless this node keeps the run's last checkpoint, which
+        must not go with it: it says why, once, and knocks again."""
         self.stop_beating()
-        self.join(timeout, dict(self.kept or {}, run=self.run, generation=self.generation))
+        deadline, refused = time.monotonic() + timeout, None
+        while True:
+            try:
+                return self.join(max(0.0, deadline - time.monotonic()),
+                                 dict(self.kept or {}, run=self.run, generation=self.generation))
+            except NoAnswer:
+                if refused:
+                    raise NoAnswer(f"node 0 did not let it in within {timeout:g} s "
+                                   f"(--rejoin-timeout): {refused}") from None
+                raise
+            except UsageError as e:
+                if stopping.is_set() or not (self.kept and self.kept.get("checkpoint")):
+                    raise
+                if str(e) != refused:
+                    cli.say(f"node {self.node_rank}: {e}; this node keeps the run's last "
+                            f"checkpoint (epoch {self.kept.get('epoch')}): it knocks again until "
+                            "node 0 comes back with the run's secret and options", file=sys.stderr)
+                    refused = str(e)
+                if time.monotonic() > deadline:
+                    raise NoAnswer(f"node 0 did not let it in within {timeout:g} s "
+                                   f"(--rejoin-timeout): {refused}") from None
+                time.sleep(1.0)
 
     @staticmethod
     def answer_of(member, monitor, address, timeout):

@@ -212,6 +212,8 @@ def resume_hint(args, shapes):
         return ""
     words, near = shlex.split(args.command), os.path.relpath(args.save)
     shown = args.save if near.startswith("..") else near  # as the user would type it here
+    if epoch >= args.epochs:  # a resume would be refused: nothing is left to train
+        return f"; {shown} holds the run's last epoch ({epoch}): its training is complete"
     if "--resume" in words:
         del words[words.index("--resume"):words.index("--resume") + 2]
     return f"; resume (epoch {epoch}): {shlex.join(words + ['--resume', shown])}"

@@ -186,7 +186,11 @@ class Supervisor:
         save, and node 0 says whom it waits for while a node has not joined."""
         args, link, workers = self.args, self.link, self.workers
         patience, meeting = stall_patience(args.timeout), time.monotonic() + args.timeout
+        turn, woke = time.monotonic(), time.time()
         while not stopping.is_set():
+            if time.monotonic() - turn > 1.0:  # this launcher was kept from running
+                woke = time.time()
+            turn = time.monotonic()
             link.share_saved(args.save)
             link.say_who_is_missing(meeting, args.timeout)
             codes = [w.proc.poll() for w in workers]
@@ -195,7 +199,7 @@ class Supervisor:
                 return self.ended(Outcome(0))
             failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
             stalled = [w for w, code in zip(workers, codes)
-                       if code is None and w.stalled(self.rundir, patience)]
+                       if code is None and w.stalled(self.rundir, patience, woke)]
             verdict, order = link.verdict(), link.ordered()
             again = order or link.kept_by_others() or link.came_back()
             if again:  # node 0 starts the run again: a node failed, or came back
@@ -221,6 +225,14 @@ class Supervisor:
         workers, link = self.workers, self.link
         at = position(self.rundir, workers[0].rank)
         left = stop(workers)
+        if verdict and all(w.finished(self.rundir) for w in workers):
+            # every worker here had trained the last epoch and written all (node 0: the
+            # checkpoint and the summary): the run is finished, whatever JAX's shutdown, the
+            # workers' last exchange, would have said
+            link.tell(NodeState.DONE)
+            cli.say(f"notice: {verdict}, after the last epoch was trained and written: the "
+                    "run is finished", file=sys.stderr)
+            return Outcome(0)
         failed = by_cause(failed)
         if any(w.proc.returncode == 128 + signal.SIGPIPE for w in failed):
             return Outcome(128 + signal.SIGPIPE)  # stdout was closed: end as quietly
@@ -292,9 +304,10 @@ class Supervisor:
                     "machine at that address, with the run's secret)", file=sys.stderr)
             try:
                 link.rejoin(args.rejoin_timeout)
-            except NoAnswer:
-                raise RunEnds(f"{why}; node 0 did not come back within "
-                              f"{args.rejoin_timeout:g} s (--rejoin-timeout)") from None
+            except NoAnswer as e:
+                raise RunEnds(f"{why}; {e}" if "let it in" in str(e) else
+                              f"{why}; node 0 did not come back within {args.rejoin_timeout:g} "
+                              "s (--rejoin-timeout)") from None
             except UsageError as e:
                 raise RunEnds(f"{why}; {e}") from None
             return State.RESTARTING
@@ -321,6 +334,8 @@ class Supervisor:
         """Say how the run starts again, in a new run folder; node 0 tells
         the others where, a member follows node 0's order."""
         again = self.follow_order() if self.member else self.plan_restart()
+        if again is None:
+            return State.WAITING
         cli.say(f"{again.why}: restarting every worker {again.resumed} (restart "
                 f"{again.generation} of {self.args.max_restarts})", file=sys.stderr)
         old, (self.rundir, _) = self.rundir, run_folder(self.args, self.shapes)
@@ -348,9 +363,12 @@ class Supervisor:
 
     def follow_order(self):
         """A member: node 0's order to start again, followed (RunEnds where
-        none comes)."""
+        none comes; None where node 0 was lost meanwhile)."""
         link = self.link
         order = link.ordered() or link.await_order()
+        if not order and link.node0.lost():  # lost as this node came back: knock again
+            self.outcome = dataclasses.replace(self.outcome, why=link.verdict())
+            return None
         if not order:
             raise RunEnds(link.verdict() or self.outcome.why or
                           "node 0 gave no order to start again")
