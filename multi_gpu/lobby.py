@@ -37,8 +37,14 @@ WAITING_SAID_S = 15            # node 0 says whom it waits for this often
 
 def hello(node_rank, options, kept=None):
     """What a node says as it knocks at node 0's lobby: its rank and options;
-    where it comes back to a run that went on without node 0, what it kept
-    of the run (``Member.kept``)."""
+    where it comes back to a run, what it kept of it (``Member.kept``): the
+    run's name, its generation, and the epoch and size of the checkpoint it
+    holds, not the checkpoint itself, which follows once the node is let in
+    (a knock stays small, whatever the model: node 0 judges the options
+    first, then takes a checkpoint of its own model's size)."""
+    if kept:
+        kept = {k: v for k, v in kept.items() if k != "checkpoint"} | (
+            {"size": len(kept["checkpoint"])} if kept.get("checkpoint") else {})
     return json.dumps(dict(node_rank=node_rank, options=options, kept=kept)).encode()
 
 
@@ -140,6 +146,8 @@ class Lobby(Heartbeats):
 
     def received(self, frames):
         identity, message = frames[0].bytes, json.loads(frames[-1].bytes)
+        if identity in self.members and "kept" in message:  # the checkpoint it announced
+            return self.received_kept(self.members[identity], message["kept"])
         if identity in self.members:  # a member's heartbeat
             self.members[identity].heard_from(message["beat"])
             return
@@ -158,12 +166,23 @@ class Lobby(Heartbeats):
                                          "0 and knocked again")
             self.members[identity] = Standing(rank, address, self.listened, self.generation)
             self.identities[rank] = identity
-            if kept and kept.get("run") != self.run:
-                self.kept[rank] = dict(kept, rank=rank, who=f"node {rank} ({address})")
+            theirs = bool(kept) and kept.get("run") != self.run
+            if theirs:  # node 0 started again: the run is the others'
+                self.kept[rank] = dict(kept, rank=rank, who=f"node {rank} ({address})",
+                                       checkpoint=None if kept.get("size") else "")
             # back: it waits for the order to start again, or takes the one given
             self.answer(frames, {"why": None, "jax_coordinator": self.jax_coordinator,
-                                 "run": self.run, "back": back,
+                                 "run": self.run, "back": back, "send_kept": theirs,
                                  "order": self.last_order if back else None})
+
+    def received_kept(self, standing, checkpoint):
+        """A member's copy of the run's checkpoint, as its knock announced it."""
+        standing.spoke()
+        with self.lock:
+            kept = self.kept.get(standing.rank)
+            if kept is not None and kept["checkpoint"] is None and isinstance(checkpoint, str) \
+                    and len(checkpoint) == kept["size"]:
+                kept["checkpoint"] = checkpoint
 
     def say_refused(self, address, visitor, why):
         """Node 0 says, once for each node and reason, whom it refused and why."""
@@ -189,7 +208,8 @@ class Lobby(Heartbeats):
             return f"node 0 runs other options: {why}"
         kept = visitor.get("kept")
         if kept is not None and not (isinstance(kept, dict) and isinstance(kept.get("run"), str)
-                                     and type(kept.get("generation")) is int):
+                                     and type(kept.get("generation")) is int
+                                     and type(kept.get("size", 0)) is int):
             return "what it kept of the run is not what a node keeps"
         there = self.members[self.identities[rank]] if rank in self.identities else None
         ours = kept is not None and kept["run"] == self.run  # this run's member, knocking again
@@ -209,9 +229,12 @@ class Lobby(Heartbeats):
         return not self.missing()
 
     def missing(self):
-        """The ranks of the nodes with no member here that stands, in words."""
+        """The ranks of the nodes with no member here that stands, or whose
+        copy of the run's checkpoint is still on its way, in words."""
         standing = {s.rank for s in list(self.members.values()) if not s.gone()}
-        return [f"node {r}" for r in range(1, self.nodes) if r not in standing]
+        with self.lock:
+            coming = {rank for rank, k in self.kept.items() if k["checkpoint"] is None}
+        return [f"node {r}" for r in range(1, self.nodes) if r not in standing - coming]
 
     def unjoined(self):
         """The nodes that never joined, in words."""
@@ -233,13 +256,15 @@ class Lobby(Heartbeats):
             cli.say(f"node 0: waiting for {never} to join at {self.address} ({left:.0f} s more; "
                     "see --timeout)")
 
-    def kept_by_others(self):
+    def kept_by_others(self, every=False):
         """What the other nodes kept of the run that was this node 0's before
         it was lost (this node 0 started again, with the run's secret): the
-        newest of it, or None where no node brought any."""
+        newest of it, or None where no node brought any (``every``: all of
+        it, newest first)."""
         with self.lock:
-            kept = list(self.kept.values())
-        return max(kept, key=lambda k: (k["generation"], k.get("epoch") or 0), default=None)
+            kept = [dict(k) for k in self.kept.values() if k["checkpoint"] is not None]
+        kept.sort(key=lambda k: (k["generation"], k.get("epoch") or 0), reverse=True)
+        return kept if every else next(iter(kept), None)
 
     def came_back(self):
         """Why the run must start again: a member of it came back since this
@@ -352,6 +377,8 @@ class Member(Heartbeats):
         self.jax_coordinator, self.run, self.back = answer["jax_coordinator"], answer["run"], \
             answer["back"]
         self.order = answer["order"] or self.order
+        if answer.get("send_kept") and kept and kept.get("checkpoint"):
+            member.send_multipart([b"", json.dumps({"kept": kept["checkpoint"]}).encode()])
         self.node0 = Standing(0, host_and_port(self.address)[0], self.listened, self.generation)
         self.start_beating(self.context, member)
 

@@ -352,7 +352,7 @@ class Supervisor:
         kept = link.kept_by_others()
         generation = (kept["generation"] if kept else link.generation) + 1
         if kept:
-            resumed = adopt(args, self.shapes, link, kept)
+            resumed = adopt(args, self.shapes, link)
             return Restart(generation, why, resumed,
                            f"node 0 ({host_and_port(args.coordinator)[0]}) came back")
         why = f"{why}, and came back" if self.outcome.lost else why
@@ -416,12 +416,52 @@ def another_nodes_word(link):
     return verdict
 
 
-def adopt(args, shapes, link, kept):
+def adopt(args, shapes, link):
     """Node 0 started again goes on with the run the others kept: its name,
-    and its last checkpoint (checked as --resume is), or where it began.
-    Returns from where, in words."""
+    and the newest copy of its last checkpoint that checks out (as --resume
+    does), or where it began.  The copies are checked against each other
+    too (``agreed``); a copy not taken is said, with why.  Returns from
+    where, in words."""
+    for kept in agreed(link.kept_by_others(every=True)):
+        try:
+            resumed = taken(args, shapes, kept)
+        except RunEnds as e:
+            cli.say(f"node 0: {e}: its copy is not taken", file=sys.stderr)
+            continue
+        link.adopt(kept["run"])
+        return resumed
+    raise RunEnds("no copy of the run's checkpoint that the other nodes kept checks out (see "
+                  "above)")
+
+
+def agreed(copies):
+    """The copies of the run's checkpoint the other nodes kept (newest
+    first), one of each content: at each epoch the one most nodes hold;
+    one that others of its epoch contradict is said and left out, and where
+    as many hold each, none of that epoch is taken."""
+    groups = {}
+    for kept in copies:
+        at = (kept["generation"], kept.get("epoch") or 0)
+        groups.setdefault(at, {}).setdefault(kept["checkpoint"], []).append(kept["who"])
+    for at, held in groups.items():  # newest first, as the copies came
+        ranked = sorted(held.values(), key=len, reverse=True)
+        if len(ranked) > 1:
+            tie = len(ranked[0]) == len(ranked[1])
+            cli.say(f"node 0: the copies of the run's checkpoint at epoch {at[1]} differ: "
+                    + "; ".join(" and ".join(who) + "'s" for who in ranked)
+                    + (": as many nodes hold each, so none is taken" if tie else
+                       f": {' and '.join(ranked[0])}'s, held by more, is taken"),
+                    file=sys.stderr)
+            if tie:
+                continue
+        yield next(k for k in copies if k["who"] == ranked[0][0])
+
+
+def taken(args, shapes, kept):
+    """Make the request resume from ``kept``, one node's copy of the run's
+    checkpoint, checked as --resume is (RunEnds where it does not check
+    out).  Returns from where, in words."""
     args.run_id = kept["run"]
-    link.adopt(kept["run"])
     raw = kept.get("checkpoint") and base64.b64decode(kept["checkpoint"])
     if not raw:
         args.resume, args.resume_epoch = None, 0

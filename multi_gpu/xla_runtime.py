@@ -19,6 +19,7 @@ import numpy as np
 
 from multi_gpu import devices
 from multi_gpu.devices import storage
+from multi_gpu.sockets import PeerError
 from multi_gpu.trainer import DeviceOrdered, local_sgd, minibatch
 from multi_gpu.worker import quit_now
 
@@ -76,9 +77,23 @@ class XlaExchange:
                 local_device_ids=None if cpu else [0], coordinator_bind_address=coordinator,
                 initialization_timeout=int(timeout) + 30,
                 heartbeat_timeout_seconds=int(timeout) + 5, shutdown_timeout_seconds=int(timeout))
-        self.jax, self.P, self.n = jax, PartitionSpec, n_workers
+        self.jax, self.P, self.n, self.timeout = jax, PartitionSpec, n_workers, timeout
         self.mesh = Mesh(np.array(jax.devices()), ("workers",))
         self.same_everywhere = NamedSharding(self.mesh, PartitionSpec())
+
+    def meet(self, what):
+        """Wait for every worker at a barrier of JAX's coordinator, for at
+        most --timeout (PeerError), not at the first collective: gloo's own
+        rendezvous gives up after 30 s, in a stack trace, on a worker still
+        compiling on a busy machine, or stopped there a while."""
+        from jax._src import distributed
+        try:
+            distributed.global_state.client.wait_at_barrier(f"dual_mlp {what}",
+                                                             int(self.timeout * 1000))
+        except self.jax.errors.JaxRuntimeError:
+            raise PeerError(f"the {self.n} workers did not all get {what} within "
+                            f"{self.timeout:g} s (a worker stopped, or a machine that slow? "
+                            "see --timeout)") from None
 
     def replicated(self, local):
         """A global array from this worker's copy of a value all workers hold."""
@@ -140,6 +155,9 @@ class XlaOrdered(DeviceOrdered):
         self.state = (xla.replicated(device.put(np.int32(0))),
                       [xla.replicated(storage(p)) for p in model.params])
         self.compile()
+
+    def handshake(self):
+        self.xla.meet("to their first step")
 
     def program(self, steps):
         import jax.numpy as jnp
