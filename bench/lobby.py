@@ -7,7 +7,7 @@ this process, its door (``multi_gpu.door``) in one of its own, and for each
 figure of ``--members``, that many members in processes of their own that
 speak the members' protocol with no JAX worker behind it: each its own zmq
 connection, its own CURVE handshake with the run's key, its own hello
-(``lobby.hello``) and its own heartbeat twice a second (``nodes.beat``).
+(``member.hello``) and its own heartbeat twice a second (``nodes.beat``).
 Measured for each: the seconds until node 0 has let every member in; node
 0's CPU (the lobby's and its door's, a share of one core) while every
 member beats; the seconds until node 0 names one member that
@@ -27,7 +27,8 @@ import zmq
 
 from bench.common import OUT, measured_by, parse_args, record, show
 from multi_gpu.cli import Parser, positive_int
-from multi_gpu.lobby import Lobby, hello
+from multi_gpu.lobby import Lobby
+from multi_gpu.member import hello
 from multi_gpu.nodes import BEAT_S, LOST_AFTER, beat, curve_keys, free_port
 
 OPTIONS = {"epochs": 1, "seed": 1234}  # what every simulated member shows node 0

@@ -8,14 +8,18 @@
 ``stream_exchange``  the GPU-ordered exchange: ``stream_exchange.cu`` compiled by PyCUDA,
                      launched inside XLA's step
 ``xla_runtime``      the XLA exchange: JAX's distributed runtime, a ``pmean`` in the step
-``devices``          where a worker's arrays live: the CPU, a JAX device, a GPU
+``devices``          where a worker's arrays live: the CPU, a JAX device, a GPU; which GPUs
+                     there are
 ``memory``           the memory a worker may still take (the machine, cgroups, ulimit -v)
 ``xla_cache``        XLA's persistent cache of compiled programs
 ``request``          the launcher's checks of the request, and the run it prepares
+``resume``           where a run resumes: --resume checked, a restart's checkpoint
 ``supervisor``       the run's life: start, train, wait for a lost node, restart, end
 ``launcher``         the launcher's side: forks and stops the worker processes
 ``nodes``            several machines: the run's secret, the nodes' heartbeats
 ``lobby``            node 0's lobby: who joins, who comes back, what each node keeps
+``member``           every other node's membership of it: its knock, its heartbeats, what it
+                     keeps of the run
 ``door``             the lobby's public socket, in a process of its own
 ``worker``           the worker's side: orphans, the watchdog, its exit and its one line
 ``hooks``            where a run may stop or fail on purpose: stop requests, the fault tests'
@@ -23,7 +27,8 @@
 ``report``           worker 0's words: the summary, a run that diverged
 ``records``          what a run leaves: checkpoints, the learning curve, the JSON summary
 ``trace``            --trace: each phase a span, the timeline's JSON and its picture
-``files``            the run's private folder; outputs written whole, or not at all
+``files``            the run's private folder (where, and dead runs' left behind); outputs
+                     written whole, or not at all
 ``datasets``         data readers (pickle, IDX), the shipped digits (``python -m
                      multi_gpu.datasets``)
 ``flags``            THEANO_FLAGS onto PyTensor's flags: every module imports it first

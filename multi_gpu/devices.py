@@ -17,8 +17,13 @@ back to NumPy, so that data and weights stay on the device: a shared
 variable holding a NumPy array is sent to the GPU again at every call.
 """
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags
+import functools
+import importlib.util
+import json
 import platform
 import shutil
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -237,3 +242,45 @@ def jax_train_step(model, gradients=False):
         new = dict(zip(updated, more))
         return cost, [new[p] for p in model.params]
     return train, [storage(v) for v in data_vars]
+
+
+# -- which GPUs there are, asked without starting CUDA here ----------------------------------
+
+# Run in a process of its own: a launcher that started CUDA could not fork
+# workers that use it (CUDA does not survive a fork), as 2014's launcher did not either.
+GPU_PROBE = """
+import json, pycuda.driver as drv
+drv.init()
+n = drv.Device.count()
+print(json.dumps([[a == b or drv.Device(a).can_access_peer(drv.Device(b)) for b in range(n)]
+                  for a in range(n)]))
+"""
+
+
+@functools.cache
+def gpu_probe():
+    """(which GPUs can read which one's memory, a matrix; why there are none)."""
+    if importlib.util.find_spec("jax") is None:
+        return [], "JAX is not installed"
+    if importlib.util.find_spec("pycuda") is None:
+        return [], "PyCUDA is not installed"
+    try:
+        out = subprocess.run([sys.executable, "-c", GPU_PROBE], capture_output=True, text=True,
+                             timeout=120)
+    except subprocess.TimeoutExpired:
+        return [], "CUDA did not start within 120 s"
+    if out.returncode:  # pycuda.driver.Error: no driver, no device
+        last = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
+        return [], f"CUDA does not start ({last})"
+    return json.loads(out.stdout), "no GPU found"
+
+
+def usable_gpus():
+    """(number of GPUs the GPU path can use, why none); starts no CUDA here."""
+    peers, why = gpu_probe()
+    return len(peers), why
+
+
+def peer_access(a, b):
+    """Can GPU a read GPU b's memory directly (NVLink or PCIe peer-to-peer)?"""
+    return gpu_probe()[0][a][b]

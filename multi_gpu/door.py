@@ -13,7 +13,7 @@ to the lobby (``lobby.Lobby``), on a zmq socket in a private folder the
 door makes (``mkdtemp``: exclusively, mode 0700) and removes as it ends,
 with the address it came from; what the lobby sends goes out.  A folder
 left by a door killed with its launcher is a dead run's, which the next
-run drops (``request.drop_folders_of_dead_runs``).
+run drops (``files.drop_folders_of_dead_runs``).
 
 The lobby runs this file as a script, ``python door.py``: it imports zmq
 alone, reads its settings as one JSON line on its standard input, answers

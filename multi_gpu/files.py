@@ -19,14 +19,21 @@ this process's own beside it and renamed into place once complete
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import contextlib
 import errno
+import math
 import os
 import re
+import secrets
 import shutil
 import stat
 import sys
 import tempfile
+import time
 
 import numpy as np
+
+
+class NoRunFolder(Exception):
+    """No place for the run's folder: why, in one line."""
 
 
 class NotPrivate(Exception):
@@ -213,3 +220,89 @@ def mapped(path, layout, mode):
           open_file(path, write=mode == "r+")) as f:
         return np.memmap(f, layout.dtype, mode="r" if mode == "r" else "r+",
                          shape=(layout.size,))
+
+
+# -- the run folder: where, and the dead runs' left there ----------------------------------
+
+def private_coordinator(rundir):
+    """Where JAX's coordinator listens on one machine: a Unix socket in the
+    run's private folder, which no other user can reach (gRPC takes
+    ``unix:`` addresses), not a TCP port on the loopback, which any can."""
+    return "unix:" + os.path.join(rundir, COORDINATOR_SOCKET)
+
+
+COORDINATOR_SOCKET = "coordinator.sock"
+
+
+SOCKET_PATH_MAX = 107  # an ipc:// socket's path, in bytes (Linux's sun_path, less its NUL)
+
+
+RUN_FOLDER_NAME = re.compile(r"dual_mlp-(\d+)-(?:[0-9a-f]{16}|door-[a-z0-9_]{8})")  # or door.py's
+STALE_AFTER = 60  # seconds without a heartbeat: a run folder nobody is left to remove
+
+
+def drop_folders_of_dead_runs(parent):
+    """Remove the run folders of this user's earlier runs in ``parent`` that
+    nobody was left to remove (the launcher SIGKILLed with its workers, a
+    machine's processes killed at once): its launcher is gone and nothing in
+    it changed for ``STALE_AFTER`` s.  /dev/shm is memory."""
+    with contextlib.suppress(OSError), os.scandir(parent) as entries:
+        for entry in entries:
+            found = RUN_FOLDER_NAME.fullmatch(entry.name)
+            if not found or alive(int(found.group(1))):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if not entry.is_dir(follow_symlinks=False) or st.st_uid != os.getuid():
+                    continue
+                last = max([st.st_mtime] + [os.lstat(os.path.join(entry.path, f)).st_mtime
+                                            for f in os.listdir(entry.path)])
+            except OSError:  # another run removed it meanwhile
+                continue
+            if time.time() - last > STALE_AFTER:
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def run_folder(args, shapes):
+    """Where the run's private folder for its sockets, buffers and heartbeats
+    will be (``launch`` makes it): in shared memory where it has room for
+    them, else on disk; named after this launcher, so that nobody mistakes
+    it for another run's, and unguessable.  Dead runs' folders there go."""
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    for parent in {shm, tempfile.gettempdir()} - {None}:
+        drop_folders_of_dead_runs(parent)
+    n_params = sum(math.prod(s) for s in shapes)
+    data = sum(a.nbytes for split in getattr(args, "checked_data", ()) for a in split)
+    needed = 4 * len(args.devices) * n_params * 4 + data + (1 << 20)  # weights, data, room
+    notice = None
+    if shm and shutil.disk_usage(shm).free < needed:
+        notice = (f"notice: /dev/shm has {shutil.disk_usage(shm).free >> 20} MB free, the run "
+                  f"needs {needed >> 20} MB there: its buffers go to a folder on disk")
+        shm = None
+    folder = shm or tempfile.gettempdir()
+    name = f"dual_mlp-{os.getpid()}-{secrets.token_hex(8)}"
+    n = len(args.devices)
+    socket = os.path.join(folder, name, max(f"peer-{n - 2}-{n - 1}.sock", COORDINATOR_SOCKET,
+                                            key=len))  # the longest path
+    if len(socket.encode()) > SOCKET_PATH_MAX:
+        if folder == "/tmp" or not os.access("/tmp", os.W_OK):
+            raise NoRunFolder(f"{folder} is too deep a folder for the run's sockets (a path of "
+                             f"{len(socket.encode())} bytes; Linux takes {SOCKET_PATH_MAX}): "
+                             "set TMPDIR to a shorter one")
+        notice = (f"notice: {folder} is too deep a folder for the run's sockets: its "
+                  "buffers and sockets go to /tmp")
+        folder = "/tmp"
+    if shutil.disk_usage(folder).free < needed:
+        raise NoRunFolder(f"{folder} has {shutil.disk_usage(folder).free >> 20} MB free, the "
+                         f"run needs {needed >> 20} MB for its buffers")
+    return os.path.join(folder, name), notice
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True

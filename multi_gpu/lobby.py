@@ -1,21 +1,27 @@
-"""Node 0's lobby and its members: who joins a run of several machines,
-who comes back to it, and what they hear.
+"""Node 0's lobby: who joins a run of several machines, who comes back to
+it, what they hear.  Every other node is a member of it (``member.py``).
 
-Node 0 keeps a ``Lobby`` at ``--coordinator``; every other node is a
-``Member`` of it, on one zmq connection under ZeroMQ's CURVE security,
-keyed by the run's secret (``nodes.curve_keys``).  A node first proves
-that it holds the secret, then shows its options, and is let in; from then
-on the two sides beat to each other (``nodes.Heartbeats``), node 0 sends
-every member its checkpoint at each save, and its order where the run
-starts again.  With ``--max-restarts``, a node that was lost may come back
-in its place, node 0 too: the members kept the run's last checkpoint, and
-give it to node 0 started again.
+The lobby listens at ``--coordinator`` through a door, a process of its
+own (``door.py``); what comes through is one of three jobs, a class each:
+
+``Admission``  who may come in: a knock judged, let in or refused in one
+               line; a member of this run that knocks again, taken back
+``Roll``       who stands: each member's ``nodes.Standing``, heard from its
+               heartbeats; who is lost, missing, or never joined
+``Orders``     the run's checkpoint and its restarts: node 0's checkpoint
+               to every member at each save, node 0's order to start
+               again, the copies the members kept for a node 0 started again
+
+With ``--max-restarts``, a node that was lost may come back in its place,
+node 0 too: the members kept the run's last checkpoint, and give it to
+node 0 started again.
 """
 import base64
 import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -23,10 +29,10 @@ import time
 import zmq
 
 from multi_gpu import cli, door, files, records
-from multi_gpu.hooks import stopping
 from multi_gpu.cli import UsageError
-from multi_gpu.nodes import (LOST_AFTER, SECRET_VARIABLE, Alone, Heartbeats, Standing,
-                             check_port, curve_keys, host_and_port, run_secret)
+from multi_gpu.member import Member, send_or_drop
+from multi_gpu.nodes import (Alone, Heartbeats, Standing, check_port, curve_keys, host_and_port,
+                             run_secret)
 
 
 # bytes: a node's options fit many times over; one that comes back to a run adds the run's
@@ -35,54 +41,253 @@ LOBBY_MESSAGE_LIMIT = 1 << 16
 WAITING_SAID_S = 15            # node 0 says whom it waits for this often
 
 
-def hello(node_rank, options, kept=None):
-    """What a node says as it knocks at node 0's lobby: its rank and options;
-    where it comes back to a run, what it kept of it (``Member.kept``): the
-    run's name, its generation, and the epoch and size of the checkpoint it
-    holds, not the checkpoint itself, which follows once the node is let in
-    (a knock stays small, whatever the model: node 0 judges the options
-    first, then takes a checkpoint of its own model's size)."""
-    if kept:
-        kept = {k: v for k, v in kept.items() if k != "checkpoint"} | (
-            {"size": len(kept["checkpoint"])} if kept.get("checkpoint") else {})
-    return json.dumps(dict(node_rank=node_rank, options=options, kept=kept)).encode()
+class Admission:
+    """Who may come in.  A node first proves it holds the run's secret (the
+    door's CURVE handshake: a stranger learns nothing); then it shows its
+    run options and its node rank (``member.hello``), and is let in only
+    where ``judge_options`` finds nothing to say and the rank is free; it is
+    then told where JAX's coordinator listens, and the run's name.  Where
+    the run takes nodes back (``returns``: --max-restarts), a node of a rank
+    that was lost is let in again in its place, and told to wait for node
+    0's order to start again; a member of this very run that knocks again
+    (it lost sight of node 0 for a moment) is the same member, taken back,
+    and the run starts again (``came_back``)."""
 
-
-class Lobby(Heartbeats):
-    """Node 0's door to a run of several machines, at ``--coordinator``.
-
-    A node first proves it holds the run's secret: the lobby is a zmq
-    socket under ZeroMQ's CURVE security, its key pair and the only client
-    key it lets in derived from the secret (``curve_keys``), so a stranger's
-    handshake fails before a byte of a message is read, and the stranger
-    learns nothing.  Then the node shows its run options and its node rank,
-    and is let in only where ``judge(options)`` finds nothing to say and
-    the rank is free; it is then told where JAX's coordinator listens (a
-    port of node 0's own choosing, or a socket in node 0's private run
-    folder where every node is on this machine), and the run's name.
-    Messages are bounded, a connection that does not finish its handshake
-    within seconds is dropped, and the door stays open for the run's nodes.
-    The socket itself is in a process of its own (``door``), so that no
-    number of a stranger's connections takes a descriptor of the launcher's;
-    what comes through, the door passes on to the lobby.
-    A node let in is a member from then on: the lobby hears its heartbeats
-    and sends it node 0's (``Heartbeats``), and, at each save, node 0's
-    checkpoint, which every member keeps.
-
-    Where the run takes nodes back (``returns``: ``--max-restarts``), a
-    node of a rank that was lost is let in again in its place, and told to
-    wait for node 0's order to start again; and a node that brings what it
-    kept of a run that is not this node 0's (node 0 was lost, and this is
-    node 0 started again) is heard: ``kept_by_others``."""
-
-    def __init__(self, address, judge, nodes, secret, jax_coordinator, *, run, returns, shapes):
-        self.address, self.judge_options, self.nodes, self.run = address, judge, nodes, run
-        self.jax_coordinator, self.returns, self.members = jax_coordinator, returns, {}
+    def admit(self, judge_options, nodes, returns):
+        self.judge_options, self.nodes, self.returns = judge_options, nodes, returns
         self.identities = {}  # rank -> its member's zmq identity: members by rank, at once
-        self.refusals, self.waited = set(), time.monotonic()
+        self.refusals = set()
+        self.returned = {}  # rank -> the words of a member of this run that came back
+
+    def knocked(self, frames, message):
+        """A knock: let in, or refused in one line (and said, once)."""
+        why, address = self.judge(message), frames[1].bytes.decode()  # as the door saw it
+        if why:
+            self.say_refused(address, message, why)
+            return self.answer(frames, {"why": why})
+        rank, kept = message["node_rank"], message.get("kept")
+        back = self.drop_lost(rank) or bool(kept)
+        with self.lock:
+            if kept and kept["run"] == self.run and kept["generation"] >= self.generation:
+                # a member of this very run that lost sight of node 0 for a moment: its
+                # workers are gone, so the run starts again, it too (an earlier generation's
+                # member takes the order it missed instead)
+                self.returned.setdefault(rank, f"node {rank} ({address}) lost sight of node "
+                                         "0 and knocked again")
+            identity = frames[0].bytes
+            self.members[identity] = Standing(rank, address, self.listened, self.generation)
+            self.identities[rank] = identity
+            theirs = self.announced(rank, address, kept)
+            # back: it waits for the order to start again, or takes the one given
+            self.answer(frames, {"why": None, "jax_coordinator": self.jax_coordinator,
+                                 "run": self.run, "back": back, "send_kept": theirs,
+                                 "order": self.last_order if back else None})
+
+    def judge(self, visitor):
+        """Why a visitor may not join (None: it may)."""
+        rank, options = visitor["node_rank"], dict(visitor["options"])
+        if type(rank) is not int or not 0 < rank < self.nodes:
+            return f"node rank {str(rank)[:20]} is not one of 1..{self.nodes - 1}"
+        why = self.judge_options(options)
+        if why:
+            return f"node 0 runs other options: {why}"
+        kept = visitor.get("kept")
+        if kept is not None and not (isinstance(kept, dict) and isinstance(kept.get("run"), str)
+                                     and type(kept.get("generation")) is int
+                                     and type(kept.get("size", 0)) is int):
+            return "what it kept of the run is not what a node keeps"
+        there = self.members[self.identities[rank]] if rank in self.identities else None
+        ours = kept is not None and kept["run"] == self.run  # this run's member, knocking again
+        if there and not there.gone() and not ours:
+            return (f"node {rank} of the run at {self.address} has joined already: is another "
+                    "run using this --coordinator?")
+        if there and not self.returns:
+            return f"node {rank} was lost, and this run takes no node back (--max-restarts 0)"
+        return None
+
+    def say_refused(self, address, visitor, why):
+        """Node 0 says, once for each node and reason, whom it refused and why."""
+        said = (address, why)
+        if said not in self.refusals:
+            self.refusals.add(said)
+            rank = visitor.get("node_rank") if isinstance(visitor, dict) else None
+            who = f"node {rank}" if type(rank) is int else "a node"
+            cli.say(f"node 0: refused {who} at {address}: {why}")
+
+    def drop_lost(self, rank):
+        """Forget the lost member of ``rank``, if any (it came back)."""
+        identity = self.identities.pop(rank, None)
+        return identity is not None and self.members.pop(identity, None) is not None
+
+    def came_back(self):
+        """Why the run must start again: a member of it came back since this
+        generation began (None: none did)."""
+        with self.lock:
+            return next(iter(self.returned.values()), None)
+
+
+class Roll:
+    """Who stands: a ``nodes.Standing`` of each member, by its zmq identity,
+    heard from its heartbeats; whom node 0 still waits for."""
+
+    def standings(self):
+        return list(self.members.values())
+
+    def beat(self, message):
+        for identity in list(self.members):
+            send_or_drop(self.socket, [identity, b"", message])
+
+    def present(self):
+        """Has every node of the run a member here that stands?"""
+        return not self.missing()
+
+    def missing(self):
+        """The ranks of the nodes with no member here that stands, or whose
+        copy of the run's checkpoint is still on its way, in words."""
+        standing = {s.rank for s in list(self.members.values()) if not s.gone()}
+        with self.lock:
+            coming = {rank for rank, k in self.kept.items() if k["checkpoint"] is None}
+        return [f"node {r}" for r in range(1, self.nodes) if r not in standing - coming]
+
+    def unjoined(self):
+        """The nodes that never joined, in words."""
+        return " and ".join(f"node {r}" for r in range(1, self.nodes) if r not in self.identities)
+
+    def never_joined(self):
+        """Which nodes never joined, in a sentence (None: every one did)."""
+        never = self.unjoined()
+        return never and f"{never} never joined node 0 at {self.address}"
+
+    def say_who_is_missing(self, until, timeout):
+        """Now and then while a node has not joined (every ``WAITING_SAID_S``
+        s, or twice within a ``timeout`` shorter): which, and how long the
+        workers wait for it still (until ``until``, monotonic)."""
+        never = self.unjoined()
+        if never and time.monotonic() - self.waited > min(WAITING_SAID_S, timeout / 2):
+            self.waited = time.monotonic()
+            left = max(0, until - time.monotonic())
+            cli.say(f"node 0: waiting for {never} to join at {self.address} ({left:.0f} s more; "
+                    "see --timeout)")
+
+    def door_ended(self):
+        """Why no other node can reach this one any more: the door's process
+        ended (killed, say), in words; None while it runs."""
+        code = self.door.poll()
+        if code is None:
+            return None
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        return (f"node 0's door, the lobby's socket at {self.address} (pid {self.door.pid}), "
+                f"ended ({how}): no other node can reach this one")
+
+    def verdict(self):
+        return self.door_ended() or super().verdict()
+
+    def gone(self):
+        return bool(self.door_ended()) or super().gone()
+
+
+class Orders:
+    """The run's checkpoint and its restarts: node 0's checkpoint, sent to
+    every member at each save (each keeps the run's last); node 0's order to
+    start again; and, on a node 0 started again, the copies of the run's
+    checkpoint the members kept (announced as they knock, sent once let in)."""
+
+    def keep(self, shapes):
         self.shapes = shapes  # the model's: the checkpoints of this run are of it
         self.kept, self.last_order, self.saved = {}, None, None  # rank -> what it kept
-        self.returned = {}  # rank -> the words of a member of this run that came back
+
+    def announced(self, rank, address, kept):
+        """A knock that names what its node kept of a run not this node 0's
+        (node 0 started again: the run is the others'): its checkpoint is
+        to come (``received_kept``).  Returns whether it is."""
+        theirs = bool(kept) and kept.get("run") != self.run
+        if theirs:
+            self.kept[rank] = dict(kept, rank=rank, who=f"node {rank} ({address})",
+                                   checkpoint=None if kept.get("size") else "")
+        return theirs
+
+    def received_kept(self, standing, checkpoint):
+        """A member's copy of the run's checkpoint, as its knock announced it."""
+        standing.spoke()
+        with self.lock:
+            kept = self.kept.get(standing.rank)
+            if kept is not None and kept["checkpoint"] is None and isinstance(checkpoint, str) \
+                    and len(checkpoint) == kept["size"]:
+                kept["checkpoint"] = checkpoint
+
+    def kept_by_others(self, every=False):
+        """What the other nodes kept of the run that was this node 0's before
+        it was lost (this node 0 started again, with the run's secret): the
+        newest of it, or None where no node brought any (``every``: all of
+        it, newest first)."""
+        with self.lock:
+            kept = [dict(k) for k in self.kept.values() if k["checkpoint"] is not None]
+        kept.sort(key=lambda k: (k["generation"], k.get("epoch") or 0), reverse=True)
+        return kept if every else next(iter(kept), None)
+
+    def restart(self, generation):
+        super().restart(generation)
+        self.returned = {}
+
+    def adopt(self, run):
+        """This node 0 goes on with the run ``run`` the others kept."""
+        with self.lock:
+            self.run, self.kept = run, {}
+
+    def share_saved(self, path):
+        """Node 0's checkpoint at ``path``, once more, to every member, where
+        this run wrote it anew (``records.written_by``): each keeps the run's
+        last, for a node 0 started again on a machine without it."""
+        try:
+            st = os.stat(path)
+        except (OSError, TypeError):
+            return
+        if (st.st_ino, st.st_mtime_ns, st.st_size) == self.saved:
+            return
+        self.saved = (st.st_ino, st.st_mtime_ns, st.st_size)
+        try:
+            raw = records.read_checkpoint(path, self.shapes)
+        except records.CheckpointError:
+            return
+        run, epoch = records.written_by(path, self.shapes, raw)
+        if run == self.run:
+            message = {"saved": dict(run=run, epoch=epoch,
+                                     checkpoint=base64.b64encode(raw).decode())}
+            with self.lock:
+                self.outbox.append(json.dumps(message).encode())
+
+    def order_restart(self, generation, why, jax_coordinator, resume_epoch, checkpoint):
+        """Start the run again, every node: where JAX's coordinator listens
+        now, and the checkpoint's bytes (None: from the first epoch), which
+        the other machines may not hold."""
+        self.restart(generation)
+        if not why.startswith("node "):
+            why = f"node 0 ({host_and_port(self.address)[0]}): {why}"
+        order = dict(generation=generation, why=why, jax_coordinator=jax_coordinator,
+                     resume_epoch=resume_epoch, run=self.run, checkpoint=checkpoint and
+                     base64.b64encode(checkpoint).decode())
+        with self.lock:
+            self.last_order = order
+            self.outbox.append(json.dumps({"restart": order}).encode())
+
+
+
+class Lobby(Admission, Roll, Orders, Heartbeats):
+    """Node 0's lobby at ``address`` (``--coordinator``), for a run of
+    ``nodes`` machines, its ``Admission`` judged by ``judge`` and the run's
+    ``secret``, its members told where JAX's coordinator listens (a port of
+    node 0's own choosing, or a socket in node 0's private run folder where
+    every node is on this machine) and the run's name.  The socket itself
+    is in a process of its own (``door``), so that no number of a stranger's
+    connections takes a descriptor of the launcher's; messages are bounded,
+    and a connection that does not finish its handshake within seconds is
+    dropped.  What comes through, the door passes on to the lobby."""
+
+    def __init__(self, address, judge, nodes, secret, jax_coordinator, *, run, returns, shapes):
+        self.address, self.run, self.jax_coordinator = address, run, jax_coordinator
+        self.members, self.waited = {}, time.monotonic()
+        self.admit(judge, nodes, returns)
+        self.keep(shapes)
         check_port(address)
         self.door, inner = self.open_door(secret)
         self.door_folder = os.path.dirname(inner)
@@ -138,9 +343,6 @@ class Lobby(Heartbeats):
         if folder:  # the door's, checked as it opened
             shutil.rmtree(folder, ignore_errors=True)
 
-    def standings(self):
-        return list(self.members.values())
-
     def answer(self, frames, reply):
         send_or_drop(self.socket, [frames[0].bytes, b"", json.dumps(reply).encode()])
 
@@ -149,173 +351,8 @@ class Lobby(Heartbeats):
         if identity in self.members and "kept" in message:  # the checkpoint it announced
             return self.received_kept(self.members[identity], message["kept"])
         if identity in self.members:  # a member's heartbeat
-            self.members[identity].heard_from(message["beat"])
-            return
-        why, address = self.judge(message), frames[1].bytes.decode()  # as the door saw it
-        if why:
-            self.say_refused(address, message, why)
-            return self.answer(frames, {"why": why})
-        rank, kept = message["node_rank"], message.get("kept")
-        back = self.drop_lost(rank) or bool(kept)
-        with self.lock:
-            if kept and kept["run"] == self.run and kept["generation"] >= self.generation:
-                # a member of this very run that lost sight of node 0 for a moment: its
-                # workers are gone, so the run starts again, it too (an earlier generation's
-                # member takes the order it missed instead)
-                self.returned.setdefault(rank, f"node {rank} ({address}) lost sight of node "
-                                         "0 and knocked again")
-            self.members[identity] = Standing(rank, address, self.listened, self.generation)
-            self.identities[rank] = identity
-            theirs = bool(kept) and kept.get("run") != self.run
-            if theirs:  # node 0 started again: the run is the others'
-                self.kept[rank] = dict(kept, rank=rank, who=f"node {rank} ({address})",
-                                       checkpoint=None if kept.get("size") else "")
-            # back: it waits for the order to start again, or takes the one given
-            self.answer(frames, {"why": None, "jax_coordinator": self.jax_coordinator,
-                                 "run": self.run, "back": back, "send_kept": theirs,
-                                 "order": self.last_order if back else None})
-
-    def received_kept(self, standing, checkpoint):
-        """A member's copy of the run's checkpoint, as its knock announced it."""
-        standing.spoke()
-        with self.lock:
-            kept = self.kept.get(standing.rank)
-            if kept is not None and kept["checkpoint"] is None and isinstance(checkpoint, str) \
-                    and len(checkpoint) == kept["size"]:
-                kept["checkpoint"] = checkpoint
-
-    def say_refused(self, address, visitor, why):
-        """Node 0 says, once for each node and reason, whom it refused and why."""
-        said = (address, why)
-        if said not in self.refusals:
-            self.refusals.add(said)
-            rank = visitor.get("node_rank") if isinstance(visitor, dict) else None
-            who = f"node {rank}" if type(rank) is int else "a node"
-            cli.say(f"node 0: refused {who} at {address}: {why}")
-
-    def drop_lost(self, rank):
-        """Forget the lost member of ``rank``, if any (it came back)."""
-        identity = self.identities.pop(rank, None)
-        return identity is not None and self.members.pop(identity, None) is not None
-
-    def judge(self, visitor):
-        """Why a visitor may not join (None: it may)."""
-        rank, options = visitor["node_rank"], dict(visitor["options"])
-        if type(rank) is not int or not 0 < rank < self.nodes:
-            return f"node rank {str(rank)[:20]} is not one of 1..{self.nodes - 1}"
-        why = self.judge_options(options)
-        if why:
-            return f"node 0 runs other options: {why}"
-        kept = visitor.get("kept")
-        if kept is not None and not (isinstance(kept, dict) and isinstance(kept.get("run"), str)
-                                     and type(kept.get("generation")) is int
-                                     and type(kept.get("size", 0)) is int):
-            return "what it kept of the run is not what a node keeps"
-        there = self.members[self.identities[rank]] if rank in self.identities else None
-        ours = kept is not None and kept["run"] == self.run  # this run's member, knocking again
-        if there and not there.gone() and not ours:
-            return (f"node {rank} of the run at {self.address} has joined already: is another "
-                    "run using this --coordinator?")
-        if there and not self.returns:
-            return f"node {rank} was lost, and this run takes no node back (--max-restarts 0)"
-        return None
-
-    def beat(self, message):
-        for identity in list(self.members):
-            send_or_drop(self.socket, [identity, b"", message])
-
-    def present(self):
-        """Has every node of the run a member here that stands?"""
-        return not self.missing()
-
-    def missing(self):
-        """The ranks of the nodes with no member here that stands, or whose
-        copy of the run's checkpoint is still on its way, in words."""
-        standing = {s.rank for s in list(self.members.values()) if not s.gone()}
-        with self.lock:
-            coming = {rank for rank, k in self.kept.items() if k["checkpoint"] is None}
-        return [f"node {r}" for r in range(1, self.nodes) if r not in standing - coming]
-
-    def unjoined(self):
-        """The nodes that never joined, in words."""
-        return " and ".join(f"node {r}" for r in range(1, self.nodes) if r not in self.identities)
-
-    def never_joined(self):
-        """Which nodes never joined, in a sentence (None: every one did)."""
-        never = self.unjoined()
-        return never and f"{never} never joined node 0 at {self.address}"
-
-    def say_who_is_missing(self, until, timeout):
-        """Now and then while a node has not joined (every ``WAITING_SAID_S``
-        s, or twice within a ``timeout`` shorter): which, and how long the
-        workers wait for it still (until ``until``, monotonic)."""
-        never = self.unjoined()
-        if never and time.monotonic() - self.waited > min(WAITING_SAID_S, timeout / 2):
-            self.waited = time.monotonic()
-            left = max(0, until - time.monotonic())
-            cli.say(f"node 0: waiting for {never} to join at {self.address} ({left:.0f} s more; "
-                    "see --timeout)")
-
-    def kept_by_others(self, every=False):
-        """What the other nodes kept of the run that was this node 0's before
-        it was lost (this node 0 started again, with the run's secret): the
-        newest of it, or None where no node brought any (``every``: all of
-        it, newest first)."""
-        with self.lock:
-            kept = [dict(k) for k in self.kept.values() if k["checkpoint"] is not None]
-        kept.sort(key=lambda k: (k["generation"], k.get("epoch") or 0), reverse=True)
-        return kept if every else next(iter(kept), None)
-
-    def came_back(self):
-        """Why the run must start again: a member of it came back since this
-        generation began (None: none did)."""
-        with self.lock:
-            return next(iter(self.returned.values()), None)
-
-    def restart(self, generation):
-        super().restart(generation)
-        self.returned = {}
-
-    def adopt(self, run):
-        """This node 0 goes on with the run ``run`` the others kept."""
-        with self.lock:
-            self.run, self.kept = run, {}
-
-    def share_saved(self, path):
-        """Node 0's checkpoint at ``path``, once more, to every member, where
-        this run wrote it anew (``records.written_by``): each keeps the run's
-        last, for a node 0 started again on a machine without it."""
-        try:
-            st = os.stat(path)
-        except (OSError, TypeError):
-            return
-        if (st.st_ino, st.st_mtime_ns, st.st_size) == self.saved:
-            return
-        self.saved = (st.st_ino, st.st_mtime_ns, st.st_size)
-        try:
-            raw = records.read_checkpoint(path, self.shapes)
-        except records.CheckpointError:
-            return
-        run, epoch = records.written_by(path, self.shapes, raw)
-        if run == self.run:
-            message = {"saved": dict(run=run, epoch=epoch,
-                                     checkpoint=base64.b64encode(raw).decode())}
-            with self.lock:
-                self.outbox.append(json.dumps(message).encode())
-
-    def order_restart(self, generation, why, jax_coordinator, resume_epoch, checkpoint):
-        """Start the run again, every node: where JAX's coordinator listens
-        now, and the checkpoint's bytes (None: from the first epoch), which
-        the other machines may not hold."""
-        self.restart(generation)
-        if not why.startswith("node "):
-            why = f"node 0 ({host_and_port(self.address)[0]}): {why}"
-        order = dict(generation=generation, why=why, jax_coordinator=jax_coordinator,
-                     resume_epoch=resume_epoch, run=self.run, checkpoint=checkpoint and
-                     base64.b64encode(checkpoint).decode())
-        with self.lock:
-            self.last_order = order
-            self.outbox.append(json.dumps({"restart": order}).encode())
+            return self.members[identity].heard_from(message["beat"])
+        self.knocked(frames, message)
 
     def __enter__(self):
         return self
@@ -327,161 +364,6 @@ class Lobby(Heartbeats):
         self.stop_beating()
         self.context.term()  # its last words gone through to the door,
         self.close_door(self.door, self.door_folder, bye=True)  # and on from there
-
-
-class NoAnswer(Exception):
-    """Node 0 never answered: a run that did not happen (the launcher exits 1)."""
-
-
-class Member(Heartbeats):
-    """Node ``node_rank`` of a run, from the moment node 0's lobby at
-    ``address`` lets it in (``Lobby``): ``jax_coordinator`` is where JAX's
-    coordinator listens; node 0's heartbeats are heard, this node's sent.
-    It keeps the run's last checkpoint, as node 0 sends it at each save
-    (``kept``): node 0, lost and started again, takes it back from here.
-    ``back``: let in again after it was lost, it waits for node 0's order."""
-
-    def __init__(self, address, node_rank, options, timeout, secret):
-        self.address, self.node_rank, self.options = address, node_rank, options
-        self.secret, self.context, self.kept = secret, zmq.Context(), None
-        try:
-            self.join(timeout)
-        except BaseException:
-            self.context.term()
-            raise
-
-    def join(self, timeout, kept=None):
-        """Knock at node 0's lobby and wait ``timeout`` s for its answer; then beat."""
-        import zmq.utils.monitor
-        public, private = curve_keys(self.secret)
-        member = self.context.socket(zmq.DEALER)
-        member.curve_serverkey, member.curve_publickey, member.curve_secretkey = public, public, \
-            private
-        member.setsockopt(zmq.LINGER, 0)
-        monitor = member.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                                            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        try:
-            try:
-                member.connect(f"tcp://{self.address}")
-                member.send_multipart([b"", hello(self.node_rank, self.options, kept)])
-                answer = self.answer_of(member, monitor, self.address, timeout)
-            finally:
-                member.disable_monitor()
-                monitor.close()
-            if answer["why"]:
-                raise UsageError(f"refused by node 0 at {self.address}: {answer['why']}")
-        except BaseException:
-            member.close()
-            raise
-        self.jax_coordinator, self.run, self.back = answer["jax_coordinator"], answer["run"], \
-            answer["back"]
-        self.order = answer["order"] or self.order
-        if answer.get("send_kept") and kept and kept.get("checkpoint"):
-            member.send_multipart([b"", json.dumps({"kept": kept["checkpoint"]}).encode()])
-        self.node0 = Standing(0, host_and_port(self.address)[0], self.listened, self.generation)
-        self.start_beating(self.context, member)
-
-    def rejoin(self, timeout):
-        """Node 0 was lost: knock again at its address, with what this node
-        kept of the run, until node 0 (started again, or back) lets it in,
-        for at most ``timeout`` s (NoAnswer).  A refusal ends the wait
-        (UsageError), unless this node keeps the run's last checkpoint, which
-        must not go with it: it says why, once, and knocks again."""
-        self.stop_beating()
-        deadline, refused = time.monotonic() + timeout, None
-        while True:
-            try:
-                return self.join(max(0.0, deadline - time.monotonic()),
-                                 dict(self.kept or {}, run=self.run, generation=self.generation))
-            except NoAnswer:
-                if refused:
-                    raise NoAnswer(f"node 0 did not let it in within {timeout:g} s "
-                                   f"(--rejoin-timeout): {refused}") from None
-                raise
-            except UsageError as e:
-                if stopping.is_set() or not (self.kept and self.kept.get("checkpoint")):
-                    raise
-                if str(e) != refused:
-                    cli.say(f"node {self.node_rank}: {e}; this node keeps the run's last "
-                            f"checkpoint (epoch {self.kept.get('epoch')}): it knocks again until "
-                            "node 0 comes back with the run's secret and options", file=sys.stderr)
-                    refused = str(e)
-                if time.monotonic() > deadline:
-                    raise NoAnswer(f"node 0 did not let it in within {timeout:g} s "
-                                   f"(--rejoin-timeout): {refused}") from None
-                time.sleep(1.0)
-
-    @staticmethod
-    def answer_of(member, monitor, address, timeout):
-        deadline = time.monotonic() + timeout
-        while not member.poll(100):
-            if monitor.poll(0):
-                raise UsageError(f"refused by node 0 at {address}: the handshake failed: this "
-                                 "node does not hold the run's secret (give it the one node 0 "
-                                 f"printed, in {SECRET_VARIABLE} or --secret-file)")
-            if stopping.is_set():
-                raise UsageError("interrupted while waiting for node 0")
-            if time.monotonic() > deadline:
-                raise NoAnswer(f"node 0 did not answer at {address} within {timeout:g} s (is "
-                               "it started, and can this machine reach it? see --timeout)")
-        return json.loads(member.recv_multipart()[-1])
-
-    def standings(self):
-        return (self.node0,)
-
-    def received(self, frames):
-        message = json.loads(frames[-1].bytes)
-        if "restart" in message:
-            self.order = message["restart"]
-            if message["restart"]["checkpoint"]:
-                self.kept = {k: message["restart"][k] for k in ("checkpoint", "run")}
-                self.kept["epoch"] = message["restart"]["resume_epoch"]
-        elif "saved" in message:
-            self.kept = message["saved"]
-        else:
-            self.node0.heard_from(message["beat"])
-            return
-        self.node0.spoke()  # an order or a checkpoint
-
-    def await_order(self):
-        """Node 0's order to start again, once this node has failed, or came
-        back: None where node 0 fails or is lost first, or says nothing in
-        time.  While node 0 waits for a lost node to come back, so does this
-        one, and says so once."""
-        deadline, said = time.monotonic() + LOST_AFTER + 10, None
-        while not (self.ordered() or self.verdict() or stopping.is_set()):
-            waiting = self.node0.waiting
-            if waiting:
-                deadline = time.monotonic() + LOST_AFTER + 10
-                if waiting != said:
-                    cli.say(f"node {self.node_rank}: {waiting}", file=sys.stderr)
-                    said = waiting
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        return self.ordered()
-
-    def answer(self, frames, reply):
-        pass  # node 0 says only heartbeats
-
-    def beat(self, message):
-        send_or_drop(self.socket, [b"", message])
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop_beating()
-        self.context.term()
-
-
-def send_or_drop(socket, frames):
-    """Send, or drop what cannot go now (the other end gone: its door, its
-    connection): the listening thread that sends must never wait, or its
-    seconds, which time every silence, would stop (``Heartbeats.listened``)."""
-    with contextlib.suppress(zmq.Again):
-        socket.send_multipart(frames, zmq.NOBLOCK)
 
 
 def meet(args, judge, shapes, stack):

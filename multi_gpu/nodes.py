@@ -228,6 +228,9 @@ class NotNode0:
     def came_back(self):
         return None
 
+    def door_ended(self):
+        return None
+
     def share_saved(self, path):
         pass
 

@@ -423,7 +423,7 @@ def drop_temporaries_of_the_dead(path):
     with contextlib.suppress(OSError):  # the folder went: nothing to tidy there
         for entry in os.listdir(folder):
             pid = files.is_temporary_of(entry, name)
-            if pid is not None and pid != os.getpid() and not alive(pid):
+            if pid is not None and pid != os.getpid() and not files.alive(pid):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(folder, entry))
 
@@ -478,16 +478,6 @@ def take_lock(path, lock_path):
         except FileNotFoundError:
             pass
         os.close(fd)
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        pass
-    return True
 
 
 def set_aside(path, nbytes):

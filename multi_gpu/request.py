@@ -6,64 +6,23 @@ the exchange, its ordering and its average by the devices at hand).
 through.
 """
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags, before PyTensor
-import contextlib
 import functools
-import importlib.util
 import itertools
-import json
-import math
 import os
-import re
 import resource
 import secrets
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 
 import pytensor
 
-from multi_gpu import cli, datasets, lobby, memory, records, xla_runtime
+from multi_gpu import cli, datasets, lobby, member, memory, records, xla_runtime
 from multi_gpu.cli import UsageError
+from multi_gpu.resume import TRAINED_WITH, check_resume, differences
+from multi_gpu.devices import peer_access, usable_gpus
+from multi_gpu.files import NoRunFolder, private_coordinator, run_folder
 from multi_gpu.nodes import check_port, free_port, host_and_port, on_loopback
 from multi_gpu.trainer import steps_per_epoch
 from multi_gpu.hooks import fault_spec_problem
-
-
-# Run in a process of its own: a launcher that started CUDA could not fork
-# workers that use it (CUDA does not survive a fork), as 2014's launcher did not either.
-GPU_PROBE = """
-import json, pycuda.driver as drv
-drv.init()
-n = drv.Device.count()
-print(json.dumps([[a == b or drv.Device(a).can_access_peer(drv.Device(b)) for b in range(n)]
-                  for a in range(n)]))
-"""
-
-
-@functools.cache
-def gpu_probe():
-    """(which GPUs can read which one's memory, a matrix; why there are none)."""
-    if importlib.util.find_spec("jax") is None:
-        return [], "JAX is not installed"
-    if importlib.util.find_spec("pycuda") is None:
-        return [], "PyCUDA is not installed"
-    try:
-        out = subprocess.run([sys.executable, "-c", GPU_PROBE], capture_output=True, text=True,
-                             timeout=120)
-    except subprocess.TimeoutExpired:
-        return [], "CUDA did not start within 120 s"
-    if out.returncode:  # pycuda.driver.Error: no driver, no device
-        last = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
-        return [], f"CUDA does not start ({last})"
-    return json.loads(out.stdout), "no GPU found"
-
-
-def usable_gpus():
-    """(number of GPUs the GPU path can use, why none); starts no CUDA here."""
-    peers, why = gpu_probe()
-    return len(peers), why
 
 
 def check_device_names(requested, nodes):
@@ -99,21 +58,6 @@ def choose_devices(requested, nodes=1):
             raise UsageError(f"GPU {dev} does not exist: this machine has {count} "
                              f"(0..{count - 1})")
     return requested, None
-
-
-def peer_access(a, b):
-    """Can GPU a read GPU b's memory directly (NVLink or PCIe peer-to-peer)?"""
-    return gpu_probe()[0][a][b]
-
-
-def private_coordinator(rundir):
-    """Where JAX's coordinator listens on one machine: a Unix socket in the
-    run's private folder, which no other user can reach (gRPC takes
-    ``unix:`` addresses), not a TCP port on the loopback, which any can."""
-    return "unix:" + os.path.join(rundir, COORDINATOR_SOCKET)
-
-
-COORDINATOR_SOCKET = "coordinator.sock"
 
 
 def check_exchange(args, world, gpus, choices):
@@ -223,12 +167,6 @@ def check_nodes(args):
                          "that every node can reach")
 
 
-# the options that shape the training: a checkpoint records them, and every
-# node of a run must be given the same (with the data set's fingerprint)
-# (what a checkpoint's config holds of each, in this order)
-CONFIG_KINDS = dict(batch_size=int, learning_rate=(int, float), n_hidden=int, l1=(int, float),
-                    l2=(int, float), average_every=int, workers=int, dataset=str)
-TRAINED_WITH = tuple(CONFIG_KINDS)
 # Every option of dual_mlp.py is one of two kinds, named once here.  What the workers
 # compute or exchange: every node of a run must be given the same, or it is refused at the
 # lobby (a node that alone asked for --check, say, would wait for ever on the others).
@@ -239,74 +177,6 @@ RUN_OPTIONS = TRAINED_WITH + ("epochs", "seed", "exchange", "sync", "avg", "step
 # (its devices count as workers per node and platform, its --resume as the resumed epoch).
 NODE_OWN = ("devices", "save", "resume", "json", "trace", "trace_from", "trace_steps",
             "timeout", "rejoin_timeout", "node_rank", "secret_file", "coordinator")
-
-
-def option_name(key):
-    return {"workers": "workers in all", "dataset": "data set (fingerprint)",
-            "local_workers": "workers per node", "resume_epoch": "resumed epoch",
-            "platform": "devices (cpu or GPUs)"}.get(key, "--" + key.replace("_", "-"))
-
-
-def differences(theirs, mine, keys):
-    """'--batch-size 100 there, 50 here; ...' for the keys whose values differ."""
-    differ = [k for k in keys if theirs.get(k) != mine.get(k)]
-    if "local_workers" in differ:  # the rest follow from it (workers in all, steps a call)
-        return (f"workers per node {theirs['local_workers']} there, {mine['local_workers']} "
-                "here (every node gives the same number of devices)")
-    return "; ".join(f"{option_name(k)} {theirs.get(k)} there, {mine.get(k)} here"
-                     for k in differ)
-
-
-def check_resume(args, shapes, epochs=None, raw=None):
-    """The checkpoint fits the model's parameter ``shapes``, is not finished,
-    and was trained as this run asks (the learning rate may change, with a
-    notice).  Without --epochs, the run goes on to the epochs the
-    checkpoint's run asked for (``epochs``, the default, where it does not
-    say), and says so.  Returns the notices."""
-    # read once (a FIFO refused before it is opened), checked, and handed to the
-    # workers as that one version (``launch``), whatever writes the file meanwhile
-    # (``raw``: its bytes, where they came from another node)
-    args.checked_resume = raw or records.read_checkpoint(args.resume, shapes)
-    _, _, state = records.load_checkpoint(args.resume, shapes, records.TRAINING_STATE,
-                                          raw=args.checked_resume)
-    saved, notices = state.get("config"), []
-    asked = (saved or {}).get("epochs")
-    if args.epochs is None:
-        known = type(asked) is int and asked > state["epoch"]
-        args.epochs = asked if known else epochs
-        notices.append(f"notice: --resume {args.resume}: trains on to epoch {args.epochs}, "
-                       + ("as its run asked" if known else "the default") + " (see --epochs)")
-    if state["epoch"] >= args.epochs:
-        raise UsageError(f"{args.resume} is already at epoch {state['epoch']}: "
-                         f"ask for more --epochs")
-    args.resume_epoch = state["epoch"]
-    if saved is not None:
-        saved.setdefault("average_every", 1)  # checkpoints from before --average-every
-        odd = [k for k in TRAINED_WITH if not isinstance(saved.get(k), CONFIG_KINDS[k])
-               or isinstance(saved.get(k), bool)] + sorted(set(saved) - set(TRAINED_WITH) -
-                                                          {"epochs"})
-        if asked is not None and type(asked) is not int:
-            odd.append("epochs")
-        if odd:
-            raise records.CheckpointError(
-                f"{args.resume}: its config has {odd[0]} = {saved.get(odd[0])!r}, not one this "
-                "demo writes: not a checkpoint of dual_mlp.py")
-    if saved is None:
-        return notices + [f"notice: {args.resume} does not record how it was trained (an "
-                          "older checkpoint): resuming with the options given"]
-    if not saved["dataset"].startswith(datasets.FINGERPRINT):
-        raise UsageError(f"{args.resume} was written by an older version of the demo, whose "
-                         "data set fingerprint sampled 256 rows: this one cannot tell whether "
-                         "it was trained on this data set; start anew")
-    fixed = [k for k in TRAINED_WITH if k != "learning_rate"]
-    if differences(saved, args.trained_with, fixed):
-        raise UsageError(f"{args.resume} was trained otherwise: "
-                         f"{differences(saved, args.trained_with, fixed)} (the checkpoint "
-                         "there, this run here): resume with its options, or start anew")
-    if saved["learning_rate"] != args.learning_rate:
-        notices.append(f"notice: the learning rate changes from {saved['learning_rate']} to "
-                       f"{args.learning_rate} at epoch {state['epoch'] + 1}")
-    return notices
 
 
 def check_outputs(args):
@@ -506,70 +376,6 @@ def place_coordinator(args):
     return notice
 
 
-SOCKET_PATH_MAX = 107  # an ipc:// socket's path, in bytes (Linux's sun_path, less its NUL)
-
-
-RUN_FOLDER_NAME = re.compile(r"dual_mlp-(\d+)-(?:[0-9a-f]{16}|door-[a-z0-9_]{8})")  # or door.py's
-STALE_AFTER = 60  # seconds without a heartbeat: a run folder nobody is left to remove
-
-
-def drop_folders_of_dead_runs(parent):
-    """Remove the run folders of this user's earlier runs in ``parent`` that
-    nobody was left to remove (the launcher SIGKILLed with its workers, a
-    machine's processes killed at once): its launcher is gone and nothing in
-    it changed for ``STALE_AFTER`` s.  /dev/shm is memory."""
-    with contextlib.suppress(OSError), os.scandir(parent) as entries:
-        for entry in entries:
-            found = RUN_FOLDER_NAME.fullmatch(entry.name)
-            if not found or records.alive(int(found.group(1))):
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-                if not entry.is_dir(follow_symlinks=False) or st.st_uid != os.getuid():
-                    continue
-                last = max([st.st_mtime] + [os.lstat(os.path.join(entry.path, f)).st_mtime
-                                            for f in os.listdir(entry.path)])
-            except OSError:  # another run removed it meanwhile
-                continue
-            if time.time() - last > STALE_AFTER:
-                shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def run_folder(args, shapes):
-    """Where the run's private folder for its sockets, buffers and heartbeats
-    will be (``launch`` makes it): in shared memory where it has room for
-    them, else on disk; named after this launcher, so that nobody mistakes
-    it for another run's, and unguessable.  Dead runs' folders there go."""
-    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    for parent in {shm, tempfile.gettempdir()} - {None}:
-        drop_folders_of_dead_runs(parent)
-    n_params = sum(math.prod(s) for s in shapes)
-    data = sum(a.nbytes for split in getattr(args, "checked_data", ()) for a in split)
-    needed = 4 * len(args.devices) * n_params * 4 + data + (1 << 20)  # weights, data, room
-    notice = None
-    if shm and shutil.disk_usage(shm).free < needed:
-        notice = (f"notice: /dev/shm has {shutil.disk_usage(shm).free >> 20} MB free, the run "
-                  f"needs {needed >> 20} MB there: its buffers go to a folder on disk")
-        shm = None
-    folder = shm or tempfile.gettempdir()
-    name = f"dual_mlp-{os.getpid()}-{secrets.token_hex(8)}"
-    n = len(args.devices)
-    socket = os.path.join(folder, name, max(f"peer-{n - 2}-{n - 1}.sock", COORDINATOR_SOCKET,
-                                            key=len))  # the longest path
-    if len(socket.encode()) > SOCKET_PATH_MAX:
-        if folder == "/tmp" or not os.access("/tmp", os.W_OK):
-            raise UsageError(f"{folder} is too deep a folder for the run's sockets (a path of "
-                             f"{len(socket.encode())} bytes; Linux takes {SOCKET_PATH_MAX}): "
-                             "set TMPDIR to a shorter one")
-        notice = (f"notice: {folder} is too deep a folder for the run's sockets: its "
-                  "buffers and sockets go to /tmp")
-        folder = "/tmp"
-    if shutil.disk_usage(folder).free < needed:
-        raise UsageError(f"{folder} has {shutil.disk_usage(folder).free >> 20} MB free, the "
-                         f"run needs {needed >> 20} MB for its buffers")
-    return os.path.join(folder, name), notice
-
-
 def prepare(args, shapes, run, **defaults):
     """The run made ready, or refused in one line (SystemExit: 2, or 1 where
     another node did not answer): the request checked (``check_request``,
@@ -590,9 +396,10 @@ def prepare(args, shapes, run, **defaults):
         link, notice = lobby.meet(args, functools.partial(differences, args.run_options,
                                                           keys=RUN_OPTIONS), shapes, run)
         notices.append(notice)
-    except (UsageError, datasets.DatasetError, records.CheckpointError, lobby.NoAnswer) as e:
+    except (UsageError, NoRunFolder, datasets.DatasetError, records.CheckpointError,
+            member.NoAnswer) as e:
         cli.say(f"dual_mlp.py: error: {e}", file=sys.stderr)
-        raise SystemExit(1 if isinstance(e, lobby.NoAnswer) else 2) from None
+        raise SystemExit(1 if isinstance(e, member.NoAnswer) else 2) from None
     for said in notices + [folder_notice] if args.node_rank == 0 else [notice]:
         if said:
             cli.say(said, file=sys.stderr if said.startswith("warning:") else sys.stdout)

@@ -34,7 +34,6 @@ How the workers are started: ``start`` forks them from this process
 request this launcher checked, which it reads from the run folder
 (``launcher.leave_the_request``).
 """
-import base64
 import contextlib
 import dataclasses
 import enum
@@ -47,9 +46,10 @@ from multi_gpu.cli import UsageError
 from multi_gpu.hooks import fault_point, request_stop, stopping
 from multi_gpu.launcher import (by_cause, fork_workers, leave_the_request, position,
                                 stall_patience, stop, unkillable, Worker)
-from multi_gpu.lobby import NoAnswer
+from multi_gpu.member import NoAnswer
 from multi_gpu.nodes import LOST_AFTER, NodeState, free_port, host_and_port
-from multi_gpu.request import check_resume, private_coordinator, run_folder
+from multi_gpu.files import NoRunFolder, private_coordinator, run_folder
+from multi_gpu.resume import follow, restart_point, taken
 
 
 class State(enum.Enum):
@@ -97,7 +97,7 @@ class Supervisor:
     exit code: the model's parameter ``shapes``, what each worker runs
     (``start``), the run's private folder (``rundir``), and the other nodes
     (``link``: ``nodes.Alone``, node 0's ``lobby.Lobby`` or a
-    ``lobby.Member``)."""
+    ``member.Member``)."""
 
     def __init__(self, args, shapes, start, rundir, link):
         self.args, self.shapes, self.start_worker = args, shapes, start
@@ -267,8 +267,8 @@ class Supervisor:
         if not self.member:
             kept = link.kept_by_others()  # this is node 0 started again: the others kept the run
             generation = (kept["generation"] if kept else link.generation) + 1
-            if self.outcome.code == 2:  # bad input fails again
-                raise RunEnds(why)
+            if self.outcome.code == 2 or link.door_ended():  # bad input fails again; a door
+                raise RunEnds(why)                            # gone, nobody reaches this node
             if generation > args.max_restarts:
                 raise RunEnds(why if not kept else f"{why}, but the run has restarted "
                               f"{kept['generation']} times already (--max-restarts "
@@ -338,7 +338,10 @@ class Supervisor:
             return State.WAITING
         cli.say(f"{again.why}: restarting every worker {again.resumed} (restart "
                 f"{again.generation} of {self.args.max_restarts})", file=sys.stderr)
-        old, (self.rundir, _) = self.rundir, run_folder(self.args, self.shapes)
+        try:
+            old, (self.rundir, _) = self.rundir, run_folder(self.args, self.shapes)
+        except NoRunFolder as e:
+            raise RunEnds(f"{again.why}; no restart: {e}") from None
         if self.member:
             self.link.restart(again.generation)
         else:
@@ -425,7 +428,7 @@ def adopt(args, shapes, link):
     for kept in agreed(link.kept_by_others(every=True)):
         try:
             resumed = taken(args, shapes, kept)
-        except RunEnds as e:
+        except records.CheckpointError as e:
             cli.say(f"node 0: {e}: its copy is not taken", file=sys.stderr)
             continue
         link.adopt(kept["run"])
@@ -455,63 +458,3 @@ def agreed(copies):
             if tie:
                 continue
         yield next(k for k in copies if k["who"] == ranked[0][0])
-
-
-def taken(args, shapes, kept):
-    """Make the request resume from ``kept``, one node's copy of the run's
-    checkpoint, checked as --resume is (RunEnds where it does not check
-    out).  Returns from where, in words."""
-    args.run_id = kept["run"]
-    raw = kept.get("checkpoint") and base64.b64decode(kept["checkpoint"])
-    if not raw:
-        args.resume, args.resume_epoch = None, 0
-        return resumed_at(args)
-    args.resume = f"node {kept['rank']}'s copy of the run's checkpoint"
-    try:
-        run, epoch = records.written_by(args.resume, shapes, raw)
-        if (run, epoch) != (kept["run"], kept.get("epoch")):
-            raise records.CheckpointError(f"{args.resume} is not the run's checkpoint it says")
-        check_resume(args, shapes, raw=raw)
-    except (UsageError, records.CheckpointError) as e:
-        raise RunEnds(f"{kept['who']} kept the run, but {e}") from None
-    return resumed_at(args)
-
-
-def restart_point(args, shapes):
-    """Make the request resume where a restart starts: from this run's last
-    checkpoint (--save) once it wrote one, else where the run began (its
-    --resume, or the first epoch).  Returns where, in words."""
-    if args.save and records.written_by(args.save, shapes)[0] == args.run_id:
-        args.resume = args.save
-    if args.resume:
-        check_resume(args, shapes)
-    return resumed_at(args)
-
-
-def follow(args, order, shapes):
-    """Node R > 0: make the request resume where node 0's ``order`` says,
-    from the bytes of node 0's checkpoint, checked here as a file given to
-    --resume is (a checkpoint of this model, at the epoch the order names).
-    Returns where, in words."""
-    args.jax_coordinator, args.resume_epoch = order["jax_coordinator"], order["resume_epoch"]
-    args.checked_resume = order["checkpoint"] and base64.b64decode(order["checkpoint"])
-    args.resume = "node 0's checkpoint" if order["checkpoint"] else None
-    if args.resume:
-        _, _, state = records.load_checkpoint(args.resume, shapes, records.TRAINING_STATE,
-                                              raw=args.checked_resume)
-        if state["epoch"] != args.resume_epoch:
-            raise records.CheckpointError(f"node 0's checkpoint is at epoch {state['epoch']}, "
-                                          f"its order says {args.resume_epoch}")
-    return resumed_at(args)
-
-
-def resumed_at(args):
-    """From where the restart trains, in words; a --trace window behind it
-    moves to the restart's first epoch, and the words say so."""
-    moved = ""
-    if args.trace and args.trace_from <= args.resume_epoch:
-        args.trace_from = args.resume_epoch + 1
-        moved = f", --trace now from epoch {args.trace_from} (its window was behind the restart)"
-    where = f"from {args.resume} at epoch {args.resume_epoch}" if args.resume else \
-        "from the first epoch"
-    return where + moved

@@ -14,7 +14,7 @@ from conftest import (PACED, SHAPES, assert_identical_checkpoints, corrupt_cases
                       interrupted, kill_one_worker, refused, run_directories, run_once,
                       start_checkpointing, start_dual, two_epochs, wait_for, wait_until_training,
                       workers_of)
-from multi_gpu.request import usable_gpus
+from multi_gpu.devices import usable_gpus
 
 
 @pytest.mark.parametrize("fault,cause", [

@@ -14,7 +14,7 @@ import zmq
 
 from bench.lobby import measure
 from multi_gpu import door
-from multi_gpu.lobby import hello, send_or_drop
+from multi_gpu.member import hello, send_or_drop
 from multi_gpu.nodes import (BEAT_S, LOST_AFTER, Heartbeats, NodeState, Standing, curve_keys,
                              free_port)
 

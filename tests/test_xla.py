@@ -183,14 +183,14 @@ def test_a_dead_node_stops_the_other_node():
     # node 1's folder: nobody was left to remove it; the next run does, once nothing in it
     # has changed for a minute (younger, it is left: its launcher may be in another pid
     # namespace)
-    from multi_gpu import request
+    from multi_gpu import files
     leftover, = run_directories() - before
-    request.drop_folders_of_dead_runs(str(leftover.parent))
+    files.drop_folders_of_dead_runs(str(leftover.parent))
     assert leftover.exists()
-    old = time.time() - request.STALE_AFTER - 1
+    old = time.time() - files.STALE_AFTER - 1
     for path in [leftover, *leftover.iterdir()]:
         os.utime(path, (old, old), follow_symlinks=False)
-    request.run_folder(argparse.Namespace(devices=["cpu", "cpu"]), SHAPES)
+    files.run_folder(argparse.Namespace(devices=["cpu", "cpu"]), SHAPES)
     assert not leftover.exists()
 
 
@@ -198,7 +198,7 @@ def test_the_folder_of_a_door_killed_with_its_node_0_goes_with_a_later_run():
     """Node 0's machine lost as it waits for node 1: its launcher and its
     lobby's door SIGKILLed at once.  The door's private folder, named after
     the launcher as a run folder is, goes with a later run, as a dead run's."""
-    from multi_gpu import request
+    from multi_gpu import files
     before = run_directories()
     node0 = start_node(free_port(), 0, "--epochs", 1)
     launcher = psutil.Process(node0.pid)
@@ -210,12 +210,12 @@ def test_the_folder_of_a_door_killed_with_its_node_0_goes_with_a_later_run():
     for p in (door, launcher):
         p.kill()
     node0.communicate()
-    request.drop_folders_of_dead_runs(str(folder.parent))
+    files.drop_folders_of_dead_runs(str(folder.parent))
     assert folder.exists()  # young: its launcher may be in another pid namespace
-    old = time.time() - request.STALE_AFTER - 1
+    old = time.time() - files.STALE_AFTER - 1
     for path in [folder, *folder.iterdir()]:
         os.utime(path, (old, old), follow_symlinks=False)
-    request.drop_folders_of_dead_runs(str(folder.parent))
+    files.drop_folders_of_dead_runs(str(folder.parent))
     assert not folder.exists()
 
 
