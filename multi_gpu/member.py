@@ -141,7 +141,8 @@ class Member(Heartbeats):
     def received(self, frames):
         message = json.loads(frames[-1].bytes)
         if "restart" in message:
-            self.order = message["restart"]
+            # the run's name too: a node 0 started again goes on with the run it adopted
+            self.order, self.run = message["restart"], message["restart"]["run"]
             if message["restart"]["checkpoint"]:
                 self.kept = {k: message["restart"][k] for k in ("checkpoint", "run")}
                 self.kept["epoch"] = message["restart"]["resume_epoch"]
