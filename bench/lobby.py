@@ -121,8 +121,8 @@ def measure(n, cpu_seconds=10.0):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * n + 256)), hard))
     spawn = multiprocessing.get_context("spawn")
-    with Lobby(address, lambda options: None if options == OPTIONS else "other options", n + 1,
-               secret, None, run="the lobby benchmark's", returns=True, shapes=[(1,)]) as lobby:
+    with Lobby(address, OPTIONS, n + 1, secret, None, run="the lobby benchmark's", returns=True,
+               shapes=[(1,)]) as lobby:
         node0 = (psutil.Process(), psutil.Process(lobby.door.pid))  # the lobby and its door
         ranks = list(range(1, n + 1))
         shares = [ranks[i:i + MEMBERS_A_PROCESS] for i in range(0, n, MEMBERS_A_PROCESS)]

@@ -33,6 +33,7 @@ from multi_gpu.cli import UsageError
 from multi_gpu.member import Member, send_or_drop
 from multi_gpu.nodes import (Alone, Heartbeats, Standing, check_port, curve_keys, host_and_port,
                              run_secret)
+from multi_gpu.resume import differences
 
 
 # bytes: a node's options fit many times over; one that comes back to a run adds the run's
@@ -45,7 +46,7 @@ class Admission:
     """Who may come in.  A node first proves it holds the run's secret (the
     door's CURVE handshake: a stranger learns nothing); then it shows its
     run options and its node rank (``member.hello``), and is let in only
-    where ``judge_options`` finds nothing to say and the rank is free; it is
+    where they are node 0's (``options``) and the rank is free; it is
     then told where JAX's coordinator listens, and the run's name.  Where
     the run takes nodes back (``returns``: --max-restarts), a node of a rank
     that was lost is let in again in its place, and told to wait for node
@@ -53,8 +54,8 @@ class Admission:
     (it lost sight of node 0 for a moment) is the same member, taken back,
     and the run starts again (``came_back``)."""
 
-    def admit(self, judge_options, nodes, returns):
-        self.judge_options, self.nodes, self.returns = judge_options, nodes, returns
+    def admit(self, options, nodes, returns):
+        self.options, self.nodes, self.returns = options, nodes, returns
         self.identities = {}  # rank -> its member's zmq identity: members by rank, at once
         self.refusals = set()
         self.returned = {}  # rank -> the words of a member of this run that came back
@@ -63,8 +64,9 @@ class Admission:
         """A knock: let in, or refused in one line (and said, once)."""
         why, address = self.judge(message), frames[1].bytes.decode()  # as the door saw it
         if why:
-            self.say_refused(address, message, why)
-            return self.answer(frames, {"why": why})
+            theirs, mine = why if isinstance(why, tuple) else (why, why)
+            self.say_refused(address, message, mine)
+            return self.answer(frames, {"why": theirs})
         rank, kept = message["node_rank"], message.get("kept")
         back = self.drop_lost(rank) or bool(kept)
         with self.lock:
@@ -84,13 +86,15 @@ class Admission:
                                  "order": self.last_order if back else None})
 
     def judge(self, visitor):
-        """Why a visitor may not join (None: it may)."""
+        """Why a visitor may not join, in its words, or (in its words, in node
+        0's) where they differ; None: it may."""
         rank, options = visitor["node_rank"], dict(visitor["options"])
         if type(rank) is not int or not 0 < rank < self.nodes:
             return f"node rank {str(rank)[:20]} is not one of 1..{self.nodes - 1}"
-        why = self.judge_options(options)
-        if why:
-            return f"node 0 runs other options: {why}"
+        differ = differences(self.options, options, self.options)
+        if differ:  # node 0's values "there", as the visitor reads it; node 0 reads the reverse
+            return (f"node 0 runs other options: {differ}",
+                    f"it runs other options: {differences(options, self.options, self.options)}")
         kept = visitor.get("kept")
         if kept is not None and not (isinstance(kept, dict) and isinstance(kept.get("run"), str)
                                      and type(kept.get("generation")) is int
@@ -274,7 +278,7 @@ class Orders:
 
 class Lobby(Admission, Roll, Orders, Heartbeats):
     """Node 0's lobby at ``address`` (``--coordinator``), for a run of
-    ``nodes`` machines, its ``Admission`` judged by ``judge`` and the run's
+    ``nodes`` machines, its ``Admission`` judged by node 0's ``options`` and the run's
     ``secret``, its members told where JAX's coordinator listens (a port of
     node 0's own choosing, or a socket in node 0's private run folder where
     every node is on this machine) and the run's name.  The socket itself
@@ -283,10 +287,11 @@ class Lobby(Admission, Roll, Orders, Heartbeats):
     and a connection that does not finish its handshake within seconds is
     dropped.  What comes through, the door passes on to the lobby."""
 
-    def __init__(self, address, judge, nodes, secret, jax_coordinator, *, run, returns, shapes):
+    def __init__(self, address, options, nodes, secret, jax_coordinator, *, run, returns,
+                 shapes):
         self.address, self.run, self.jax_coordinator = address, run, jax_coordinator
         self.members, self.waited = {}, time.monotonic()
-        self.admit(judge, nodes, returns)
+        self.admit(options, nodes, returns)
         self.keep(shapes)
         check_port(address)
         self.door, inner = self.open_door(secret)
@@ -366,10 +371,10 @@ class Lobby(Admission, Roll, Orders, Heartbeats):
         self.close_door(self.door, self.door_folder, bye=True)  # and on from there
 
 
-def meet(args, judge, shapes, stack):
+def meet(args, shapes, stack):
     """How this node hears from the other nodes of its run: ``Alone`` where
     there are none; on node 0, its ``Lobby`` at --coordinator, which lets in
-    the nodes whose options ``judge`` finds nothing to say of; on any other,
+    the nodes given the same options (``args.run_options``); on any other,
     its membership of that lobby, which tells it where JAX's coordinator
     listens, and the run's name (``args.run_id``).  The lobby and the
     membership close with ``stack``.  Returns (the link, a notice: the
@@ -379,7 +384,7 @@ def meet(args, judge, shapes, stack):
         return Alone(), None
     secret, notice = run_secret(args)  # the others prove they belong here: they hold it
     if args.node_rank == 0:
-        return stack.enter_context(Lobby(args.coordinator, judge, args.nodes, secret,
+        return stack.enter_context(Lobby(args.coordinator, args.run_options, args.nodes, secret,
                                          args.jax_coordinator, run=args.run_id,
                                          returns=args.max_restarts > 0, shapes=shapes)), notice
     member = stack.enter_context(Member(args.coordinator, args.node_rank, args.run_options,

@@ -6,7 +6,6 @@ the exchange, its ordering and its average by the devices at hand).
 through.
 """
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags, before PyTensor
-import functools
 import itertools
 import os
 import resource
@@ -17,7 +16,7 @@ import pytensor
 
 from multi_gpu import cli, datasets, lobby, member, memory, records, xla_runtime
 from multi_gpu.cli import UsageError
-from multi_gpu.resume import TRAINED_WITH, check_resume, differences
+from multi_gpu.resume import TRAINED_WITH, check_resume
 from multi_gpu.devices import peer_access, usable_gpus
 from multi_gpu.files import NoRunFolder, private_coordinator, run_folder
 from multi_gpu.nodes import check_port, free_port, host_and_port, on_loopback
@@ -393,8 +392,7 @@ def prepare(args, shapes, run, **defaults):
         rundir, folder_notice = run_folder(args, shapes)
         if args.exchange == "xla" and not args.jax_coordinator and not args.node_rank:
             args.jax_coordinator = private_coordinator(rundir)
-        link, notice = lobby.meet(args, functools.partial(differences, args.run_options,
-                                                          keys=RUN_OPTIONS), shapes, run)
+        link, notice = lobby.meet(args, shapes, run)
         notices.append(notice)
     except (UsageError, NoRunFolder, datasets.DatasetError, records.CheckpointError,
             member.NoAnswer) as e:

@@ -197,12 +197,16 @@ def test_a_foreign_run_on_a_live_runs_port_is_refused_and_the_live_run_goes_on(n
 def test_a_node_given_another_option_is_refused_in_one_line(no_leftovers):
     port = free_port()
     node0 = start_node(port, 0, "--epochs", 2, "--timeout", 8)
-    refused_nodes = [(start_node(port, 1, *args, "--timeout", 8, **kw), words) for args, kw, words
-                     in ((("--epochs", 3), {}, "--epochs 2 there, 3 here"),
+    # each side reads "there" as the other's value, "here" as its own
+    refused_nodes = [(start_node(port, 1, *args, "--timeout", 8, **kw), words, node0_words)
+                     for args, kw, words, node0_words in (
+                         (("--epochs", 3), {}, "--epochs 2 there, 3 here",
+                          "--epochs 3 there, 2 here"),
                          (("--epochs", 2), dict(devices=("cpu", "cpu")),
                           "workers per node 1 there, 2 here (every node gives the same number "
-                          "of devices)"))]
-    for node1, words in refused_nodes:
+                          "of devices)", "workers per node 2 there, 1 here (every node gives "
+                          "the same number of devices)"))]
+    for node1, words, _ in refused_nodes:
         code, _, err = finish(node1, timeout=60)
         assert code == 2 and err.strip().splitlines() == [
             f"dual_mlp.py: error: refused by node 0 at 127.0.0.1:{port}: node 0 runs other "
@@ -215,8 +219,8 @@ def test_a_node_given_another_option_is_refused_in_one_line(no_leftovers):
         f"error: node 1 never joined node 0 at 127.0.0.1:{port}"], err
     said = node0.out.splitlines()
     assert sorted(line for line in said if line.startswith("node 0: refused ")) == sorted(
-        f"node 0: refused node 1 at 127.0.0.1: node 0 runs other options: {words}"
-        for _, words in refused_nodes), node0.out
+        f"node 0: refused node 1 at 127.0.0.1: it runs other options: {words}"
+        for _, _, words in refused_nodes), node0.out
     assert any(line.startswith(f"node 0: waiting for node 1 to join at 127.0.0.1:{port} (")
                for line in said), node0.out
 
