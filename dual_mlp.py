@@ -67,15 +67,17 @@ EPOCHS = 10
 BATCH_SIZE = 5000          # per worker
 LEARNING_RATE = 0.13
 N_HIDDEN = 500
-L1, L2 = 0.0, 0.0001
+L1 = 0.0
+L2 = 0.0001
 SEED = 1234
 SHIPPED_BATCH_SIZE = 100   # the shipped 3,000 training digits hold no two minibatches of 5,000
 TIMEOUT = 120.0            # seconds a worker waits for the others before it reports them stalled
 STEPS_PER_CALL = 10        # steps in one compiled call (--sync gpu, xla), at most an epoch
 # the exchange's defaults (request.check_exchange applies them, refusing what cannot run)
 CHOICES = {
-    "exchange": {"one machine": "p2p",  # 2 workers, CPUs or GPUs shared: the 2014 exchange
-                 "more": "xla"},        # GPUs past two, several machines: JAX's runtime
+    "exchange": {   # `0 1`, `cpu cpu cpu`, `0 0`: the 2014 exchange; `0 1 2 3`: JAX's runtime
+        "two workers, or CPUs, or workers sharing a GPU, on one machine": "p2p",
+        "GPUs past two, or several machines": "xla"},
     "sync": {"gpu": "gpu",      # the GPUs order phases 2-6, one kernel at the step's end
              "cpu": "host"},    # the 2014 loop: the only way on CPUs
     "avg": {"gpu": "theano",    # as in 2014: a compiled function whose updates are the means
@@ -98,11 +100,15 @@ class CudaIpcTransport:
     route = "CUDA IPC, peer to peer"
 
     def __init__(self, rank, n_workers, layout, device):
-        self.rank, self.layout, self.device, self.drv = rank, layout, device, device.drv
+        self.rank = rank
+        self.layout = layout
+        self.device = device
+        self.drv = device.drv
         self.send = self.drv.mem_alloc(layout.nbytes)
         self.recv = device.put(np.zeros(n_workers * layout.size, layout.dtype))
         self.received = [self.recv]  # every worker's weights, in rank order, once fetched
-        self.sources, self.opened = [], []
+        self.sources = []  # every worker's send buffer, in rank order, once connected
+        self.opened = []   # the others', opened in my context
 
     def handle(self):
         """What the others need to open my send buffer."""
@@ -119,7 +125,8 @@ class CudaIpcTransport:
         """My new weights into my send buffer.  New since 2014: Theano updated
         its weights in place, and the handles were taken on them; JAX writes
         each step's into new buffers, where a handle would go stale."""
-        itemsize, stream = self.layout.dtype.itemsize, self.device.stream
+        itemsize = self.layout.dtype.itemsize
+        stream = self.device.stream
         for offset, value in zip(self.layout.offsets, values):
             self.drv.memcpy_dtod_async(int(self.send) + offset * itemsize,
                                        self.device.pointer(value), value.nbytes, stream)
@@ -127,7 +134,8 @@ class CudaIpcTransport:
 
     def fetch(self):
         """Every worker's send buffer, mine too, into my receive buffer, in rank order."""
-        base, nbytes = self.device.pointer(self.recv), self.layout.nbytes
+        base = self.device.pointer(self.recv)
+        nbytes = self.layout.nbytes
         stream = self.device.stream
         for w, source in enumerate(self.sources):
             self.drv.memcpy_dtod_async(base + w * nbytes, source, nbytes, stream)  # peer to peer
@@ -151,7 +159,10 @@ class HostTransport:
     route = "host memory"
 
     def __init__(self, rundir, rank, n_workers, layout, device):
-        self.rank, self.n, self.device, self.layout = rank, n_workers, device, layout.aligned()
+        self.rank = rank
+        self.n = n_workers
+        self.device = device
+        self.layout = layout.aligned()
         self.path = os.path.join(rundir, f"weights{rank}.bin")
         self.send = files.mapped(self.path, self.layout, "new")
         self.send_views = self.layout.views(self.send)
@@ -164,7 +175,8 @@ class HostTransport:
                for k in range(n_workers + 1)]
         self.share = slice(cut[rank], cut[rank + 1])
         self.received = [devices.host_buffer(self.layout.size, self.layout.dtype)]
-        self.sources, self.aliased = [], []
+        self.sources = []  # every worker's send buffer, mapped, once connected
+        self.aliased = []  # the mean's views, as JAX reads them in place
 
     def handle(self):
         return self.path
@@ -217,7 +229,8 @@ def wait_for_worker(peer, other, event, what):
     receive (``event``), polled in slices (a PAIR socket whose peer is gone
     blocks a plain send for ever); a stop request or --timeout ends it.  A
     receive first spins ``peer.spin`` s (GPUs: a wake-up costs microseconds)."""
-    socket, spin_until = peer.sockets[other], time.perf_counter() + peer.spin
+    socket = peer.sockets[other]
+    spin_until = time.perf_counter() + peer.spin
     while event == zmq.POLLIN and time.perf_counter() < spin_until:
         if socket.poll(0, event):
             return
@@ -237,7 +250,8 @@ def barrier(peer):
     signalled through ``multiprocessing.Queue``s, which join one process's
     children only and wait for ever; this wait times out (--timeout)."""
     peer.barriers += 1
-    arrived, what = time.perf_counter(), f"barrier {peer.barriers}"
+    arrived = time.perf_counter()
+    what = f"barrier {peer.barriers}"
     for other, socket in peer.sockets.items():
         wait_for_worker(peer, other, zmq.POLLOUT, what)
         socket.send(struct.pack("<qd", peer.barriers, arrived), zmq.NOBLOCK)
@@ -288,7 +302,9 @@ class HostOrdered(Trainer):
                  average_every=1):
         super().__init__(rank, world, model, gather=functools.partial(gather, peer), check=check,
                          average_every=average_every)
-        self.device, self.peer, self.avg = device, peer, avg
+        self.device = device
+        self.peer = peer
+        self.avg = avg
         self.transport = transport(device, rundir, rank, world, Layout.of(model.params), staged)
         if avg == "theano":
             self.compiled_average = self.compile_average(self.transport.layout)
@@ -305,7 +321,9 @@ class HostOrdered(Trainer):
         self.read_where_received()
 
     def epoch(self, n_steps):
-        phase, transport, peer = self.clock.phase, self.transport, self.peer
+        phase = self.clock.phase
+        transport = self.transport
+        peer = self.peer
         for step in range(n_steps):
             # start-snippet: the step (README.md quotes it)
             i = minibatch(step, self.rank, self.world, self.n_steps)  # k, k + N, ... of N
@@ -334,8 +352,9 @@ class HostOrdered(Trainer):
         """6. Every parameter set to the mean of every worker's, from where the
         copies left it (the transport's ``received``), summed in rank order
         everywhere (2014: ``param + param_other``): the same bits."""
-        params, received, layout = self.model.params, self.transport.received, \
-            self.transport.layout
+        params = self.model.params
+        received = self.transport.received
+        layout = self.transport.layout
         if self.avg == "theano":    # as in 2014: a compiled function whose updates are the means
             self.compiled_average()
         elif self.avg == "pycuda":  # as in 2014: a PyCUDA kernel, in place on JAX's buffers
@@ -399,7 +418,8 @@ class GpuOrdered(DeviceOrdered):
         super().__init__(rank, world, model, gather=functools.partial(gather, peer), check=check,
                          watchdog=watchdog, steps_per_call=steps_per_call,
                          average_every=average_every)
-        self.peer, self.device = peer, device
+        self.peer = peer
+        self.device = device
         model.warm_up(put=device.put)
         gradients, self.data = devices.jax_train_step(model, gradients=True)
         train, _ = devices.jax_train_step(model)  # the same model's data, in the same order
@@ -415,7 +435,8 @@ class GpuOrdered(DeviceOrdered):
             _, new = train(minibatch(counter, rank, world, self.n_steps), data, list(params))
             return counter + 1, *new
 
-        self.one_step, self.own_step = step, own_step
+        self.one_step = step
+        self.own_step = own_step
         # copies: the model's own weights stay for validation
         self.state = (device.put(np.int32(0)), *[jax.numpy.array(storage(p))
                                                   for p in model.params])
@@ -512,7 +533,8 @@ def worker(args, rank, world, dev, rundir, watchdog):
         if args.resume:
             say(f"... resumed from {args.resume} at epoch {progress.epoch}")
 
-        n_steps, nodes = trainer.n_steps, f" x {args.nodes} nodes" if args.nodes > 1 else ""
+        n_steps = trainer.n_steps
+        nodes = f" x {args.nodes} nodes" if args.nodes > 1 else ""
         say(f"... training: {world} workers on {', '.join(args.devices)}{nodes}, "
             f"{args.batch_size} images per worker per step, {cli.counted(n_steps, 'step')} per "
             f"epoch; weights through {trainer.route}")

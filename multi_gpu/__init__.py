@@ -26,6 +26,7 @@
                      hook
 ``report``           worker 0's words: the summary, a run that diverged
 ``records``          what a run leaves: checkpoints, the learning curve, the JSON summary
+``locks``            a run's outputs held: a lock beside each, their room set aside
 ``trace``            --trace: each phase a span, the timeline's JSON and its picture
 ``files``            the run's private folder (where, and dead runs' left behind); outputs
                      written whole, or not at all

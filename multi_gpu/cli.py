@@ -357,8 +357,9 @@ def add_exchange_options(p, choices, steps_per_call):
                    help="how the replicas average: 'p2p' the 2014 exchange among the workers "
                         "of one machine (PyCUDA peer-to-peer copies, or host memory on CPUs); "
                         "'xla' a pmean inside the compiled step, through JAX's distributed "
-                        "runtime (default: p2p for two workers and for CPUs, xla for more "
-                        "GPUs and for several machines)")
+                        "runtime (default: " + "; ".join(
+                            f"{value} for {case}" for case, value in choices["exchange"].items())
+                   + ")")
     p.add_argument("--sync", choices=("gpu", "host"),
                    help="p2p: who orders the exchange; 'gpu' the GPUs, on their streams, "
                         "the host never waiting within a step; 'host' the 2014 loop, the host "

@@ -14,7 +14,7 @@ import sys
 
 import pytensor
 
-from multi_gpu import cli, datasets, lobby, member, memory, records, xla_runtime
+from multi_gpu import cli, datasets, lobby, locks, member, memory, records, xla_runtime
 from multi_gpu.cli import UsageError
 from multi_gpu.resume import TRAINED_WITH, check_resume
 from multi_gpu.devices import peer_access, usable_gpus
@@ -83,7 +83,8 @@ def choose_exchange(args, world, gpus, shared, choices):
         # measured: on CPUs the host-ordered exchange beats gloo's all-reduce at 2, 3 and 4
         # workers (bench/results/scaling_cpu.json); GPUs past two stay on NCCL until measured
         one = args.nodes == 1 and (world == 2 or not gpus or shared)
-        args.exchange = choices["exchange"]["one machine" if one else "more"]
+        p2p, xla = choices["exchange"]  # in CHOICES' order: p2p's case, then xla's
+        args.exchange = choices["exchange"][p2p if one else xla]
     if args.exchange == "p2p" and args.nodes > 1:
         raise UsageError("--exchange p2p joins the workers of one machine: use --exchange xla "
                          "on several machines")
@@ -386,7 +387,7 @@ def prepare(args, shapes, run, **defaults):
     other nodes' link)."""
     try:
         notices = check_request(args, shapes, **defaults)
-        run.enter_context(records.hold(args.save, args.json, args.trace,
+        run.enter_context(locks.hold(args.save, args.json, args.trace,
                                        trace_picture(args.trace),
                                        room=records.checkpoint_bytes(shapes)))
         rundir, folder_notice = run_folder(args, shapes)

@@ -23,7 +23,7 @@ import shutil
 import sys
 import tempfile
 
-from multi_gpu import cli, datasets, devices, memory, records
+from multi_gpu import cli, datasets, devices, locks, memory, records
 from multi_gpu.cli import (backend_name, heartbeat, non_negative, positive,  # noqa: F401
                            positive_int, quiet_start_up, seed, writable)
 from multi_gpu.datasets import N_CLASSES, N_PIXELS, DatasetError, read, resolve  # noqa: F401
@@ -93,7 +93,7 @@ def run(script, train, dataset, outputs=None, shapes=None):
         if too_big:
             raise DatasetError(too_big)
         room = records.checkpoint_bytes(shapes) if shapes else 0
-        with records.hold(*outputs.values(), room=room), \
+        with locks.hold(*outputs.values(), room=room), \
                 tempfile.TemporaryDirectory() as sources, \
                 cli.on_quit(lambda: shutil.rmtree(sources, ignore_errors=True)):
             # PyTensor's compiled graphs' sources, which it leaves, go with the folder

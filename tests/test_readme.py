@@ -1,6 +1,7 @@
 """The READMEs are true: the Quick start prints what README.md shows, every
 command in them runs as typed from the repository's root, every results file
 they name is in git, and every table is what its results file generates."""
+import ast
 import concurrent.futures
 import importlib
 import json
@@ -57,21 +58,33 @@ def test_the_readmes_step_is_a_quote_of_the_code():
     assert quote in (ROOT / "README.md").read_text(), quote
 
 
-def test_the_reading_order_names_the_line_of_each_call_of_the_handshake_and_the_step():
-    """README.md's reading order answers from dual_mlp.py alone, by line,
-    when the handshake runs and what it calls, where one step trains,
-    publishes, signals (the call that waits), copies and averages (under
-    every --avg): each named line holds its call."""
+def test_the_reading_order_names_the_function_of_each_call_of_the_handshake_and_the_step():
+    """README.md's reading order answers from dual_mlp.py alone, by the
+    function that makes each call: when the handshake runs and what it
+    calls, where one step trains, publishes, signals (the call that waits),
+    copies and averages (under every --avg): each named function holds its
+    call, whatever lines it moves to."""
     section = (ROOT / "README.md").read_text().split("## Reading order\n", 1)[1]
-    rows = re.findall(r"^\| ([^|]*) \| (\d+) \| `([^`]+)` \|$", section.split("\n## ", 1)[0],
-                      re.M)
-    lines = (ROOT / "dual_mlp.py").read_text().splitlines()
-    for what, number, call in rows:
-        assert call in lines[int(number) - 1], (what, number, call)
+    rows, function = [], None
+    for what, named, call in re.findall(r"^\| ([^|]*) \| (`[\w.]+`|) \| `([^`]+)` \|$",
+                                        section.split("\n## ", 1)[0], re.M):
+        function = named.strip("`") or function  # an empty cell: the function above
+        rows.append((what, function, call))
+    source = (ROOT / "dual_mlp.py").read_text()
+    functions = {}
+    for node in ast.parse(source).body:
+        for inner in [node] + (node.body if isinstance(node, ast.ClassDef) else []):
+            if isinstance(inner, ast.FunctionDef):
+                name = f"{node.name}.{inner.name}" if inner is not node else inner.name
+                functions[name] = ast.get_source_segment(source, inner)
+    for what, function, call in rows:
+        assert function in functions, (what, function)
+        assert call in functions[function], (what, function, call)
     calls, whats = " ".join(call for _, _, call in rows), " ".join(what for what, _, _ in rows)
     for needed in ("trainer.handshake()", "send_pyobj", "recv_pyobj", "mem_get_ipc_handle",
                    "IPCMemoryHandle", "train_model", "memcpy_dtod_async", "socket.send(",
-                   "socket.poll(", "socket.recv(", "self.exchange(params, g)"):
+                   "socket.poll(", "socket.recv(", "self.exchange(params, g)",
+                   "start-snippet: the step"):
         assert needed in calls, needed
     for avg in ("theano", "pycuda", "shared", "cpu"):
         assert f"`--avg {avg}`" in whats, avg

@@ -133,12 +133,16 @@ def test_ruff_finds_nothing_anywhere():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-
-def test_the_lesson_and_each_module_fit_in_600_lines():
+def test_the_lesson_fits_in_650_lines_and_each_module_in_500():
     """dual_mlp.py is read first and whole, as the 2014 file was: at most
-    600 lines; so is every module of the package."""
-    for path in [ROOT / "dual_mlp.py", *(ROOT / "multi_gpu").glob("*.py")]:
-        assert len(path.read_text().splitlines()) <= 600, path.name
+    650 lines, one fact a line, no line continued by a backslash (which
+    hides a definition from the tools that read them); every module of the
+    package at most 500."""
+    lesson = (ROOT / "dual_mlp.py").read_text()
+    assert len(lesson.splitlines()) <= 650
+    assert not [line for line in lesson.splitlines() if line.rstrip().endswith("\\")]
+    for path in (ROOT / "multi_gpu").glob("*.py"):
+        assert len(path.read_text().splitlines()) <= 500, path.name
 
 
 STEP_PROFILER = """
