@@ -583,22 +583,24 @@ def main(argv=None):
     cli.quiet_start_up()
     args = parse_args(argv)
     started = time.perf_counter()
-    args.command = shlex.join(["python", "dual_mlp.py"] + (sys.argv[1:] if argv is None else argv))
+    command = shlex.join(["python", "dual_mlp.py"] + (sys.argv[1:] if argv is None else argv))
     shapes = mlp.parameter_shapes(datasets.N_PIXELS, args.n_hidden, datasets.N_CLASSES)
     with ExitStack() as run:
         cli.keep_going_without_readers()  # it will hold locks, folders, workers: release them
-        # the request checked, its outputs held, its private folder named, the other nodes met
-        rundir, link = request.prepare(
-            args, shapes, run, batch_size=BATCH_SIZE, shipped_batch_size=SHIPPED_BATCH_SIZE,
-            steps_per_call=STEPS_PER_CALL, epochs=EPOCHS, choices=CHOICES)
+        # the request checked (the plan: frozen), its outputs held, its private folder named,
+        # the other nodes met
+        plan, rundir, link = request.prepare(
+            args, shapes, run, command=command, batch_size=BATCH_SIZE,
+            shipped_batch_size=SHIPPED_BATCH_SIZE, steps_per_call=STEPS_PER_CALL, epochs=EPOCHS,
+            choices=CHOICES)
         # each worker is forked from here, as in 2014, and runs worker() in its own process;
         # JAX and PyTensor are imported, never started: JAX's threads and CUDA would not
         # survive the fork (2014 forked first, then imported Theano)
         start = functools.partial(run_worker, worker, one_line_errors=(
             PeerError, records.CheckpointError, datasets.DatasetError, report.Diverged))
-        code = supervisor.Supervisor(args, shapes, start, rundir, link).run()
+        code = supervisor.Supervisor(plan, shapes, start, rundir, link).run()
     if code == 0:
-        cli.say(report.ended(args, time.perf_counter() - started))
+        cli.say(report.ended(plan, time.perf_counter() - started))
     return code
 
 

@@ -11,6 +11,7 @@ from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags, before
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import json
 import os
@@ -293,23 +294,25 @@ def fork_workers(args, start, rundir):
     return workers
 
 
-def leave_the_request(args, rundir):
+def leave_the_request(plan, rundir):
     """The run's request in its folder, for the workers: the checkpoint to
     resume and the data set as ``check_request`` read and checked them
-    (whatever the files hold now), and ``config.json``, whole or not at
-    all.  Returns what went wrong, in one line, or None."""
+    (whatever the files hold now), and ``config.json`` (the ``plan``, and
+    where those two are), whole or not at all.  Returns what went wrong, in
+    one line, or None."""
     request = os.path.join(rundir, "config.json")
+    written = {field.name: getattr(plan, field.name) for field in dataclasses.fields(plan)
+               if field.name not in ("checked_resume", "checked_data")}
+    written.update(resume_copy=os.path.join(rundir, "resume.npz"),
+                   dataset_copy=os.path.join(rundir, datasets.RUN_COPY))
     try:
-        if args.resume:
-            args.resume_copy = os.path.join(rundir, "resume.npz")
-            with files.new_file(args.resume_copy) as f:
-                f.write(args.checked_resume)
-        args.dataset_copy = os.path.join(rundir, datasets.RUN_COPY)
-        with files.new_file(args.dataset_copy) as f:
-            datasets.write_run_copy(f, args.checked_data)
+        if plan.resume:
+            with files.new_file(written["resume_copy"]) as f:
+                f.write(plan.checked_resume)
+        with files.new_file(written["dataset_copy"]) as f:
+            datasets.write_run_copy(f, plan.checked_data)
         with files.new_file(request + ".part", text=True) as f:
-            json.dump({k: v for k, v in vars(args).items()
-                       if k not in ("checked_resume", "checked_data")}, f)
+            json.dump(written, f)
         os.replace(request + ".part", request)
     except FileNotFoundError:
         return f"the run folder {rundir} was removed as the run started (a cleaner of " \

@@ -376,7 +376,7 @@ def meet(args, shapes, stack):
     there are none; on node 0, its ``Lobby`` at --coordinator, which lets in
     the nodes given the same options (``args.run_options``); on any other,
     its membership of that lobby, which tells it where JAX's coordinator
-    listens, and the run's name (``args.run_id``).  The lobby and the
+    listens, and the run's name (``Member.jax_coordinator``, ``Member.run``).  The lobby and the
     membership close with ``stack``.  Returns (the link, a notice: the
     secret node 0 made, where it made one; on any other node, that it
     joined, or came back, and which workers it runs)."""
@@ -389,7 +389,6 @@ def meet(args, shapes, stack):
                                          returns=args.max_restarts > 0, shapes=shapes)), notice
     member = stack.enter_context(Member(args.coordinator, args.node_rank, args.run_options,
                                         args.timeout, secret))
-    args.jax_coordinator, args.run_id = member.jax_coordinator, member.run
     n = len(args.devices)
     ranks = ", ".join(map(str, range(args.node_rank * n, (args.node_rank + 1) * n)))
     how = "back in node 0's run" if member.back else "joined node 0"

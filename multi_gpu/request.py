@@ -6,6 +6,8 @@ the exchange, its ordering and its average by the devices at hand).
 through.
 """
 from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags, before PyTensor
+import argparse
+import dataclasses
 import itertools
 import os
 import resource
@@ -16,10 +18,10 @@ import pytensor
 
 from multi_gpu import cli, datasets, lobby, locks, member, memory, records, xla_runtime
 from multi_gpu.cli import UsageError
-from multi_gpu.resume import TRAINED_WITH, check_resume
 from multi_gpu.devices import peer_access, usable_gpus
 from multi_gpu.files import NoRunFolder, private_coordinator, run_folder
 from multi_gpu.nodes import check_port, free_port, host_and_port, on_loopback
+from multi_gpu.resume import TRAINED_WITH, check_resume
 from multi_gpu.trainer import steps_per_epoch
 from multi_gpu.hooks import fault_spec_problem
 
@@ -59,57 +61,57 @@ def choose_devices(requested, nodes=1):
     return requested, None
 
 
-def check_exchange(args, world, gpus, choices):
+def check_exchange(draft, world, gpus, choices):
     """Resolve --exchange, --sync, --avg and --staged (``choices``: their
     defaults, by machine); returns the notices."""
-    shared = len(set(args.devices)) < len(args.devices)  # GPUs; CPU workers always share
-    exchange_asked, sync_asked, staged_asked = args.exchange, args.sync, args.staged
-    choose_exchange(args, world, gpus, shared, choices)
-    notices = around_missing_peer_access(args, world, exchange_asked) \
-        if gpus and args.exchange == "p2p" and not shared else []
-    if args.exchange == "xla":
-        check_xla(args, gpus, shared)
+    shared = len(set(draft.devices)) < len(draft.devices)  # GPUs; CPU workers always share
+    exchange_asked, sync_asked, staged_asked = draft.exchange, draft.sync, draft.staged
+    choose_exchange(draft, world, gpus, shared, choices)
+    notices = around_missing_peer_access(draft, world, exchange_asked) \
+        if gpus and draft.exchange == "p2p" and not shared else []
+    if draft.exchange == "xla":
+        check_xla(draft, gpus, shared)
         return notices
-    choose_sync_and_avg(args, gpus, choices)
+    choose_sync_and_avg(draft, gpus, choices)
     if gpus:
-        notices += host_ordering(args, world, shared, sync_asked, staged_asked)
+        notices += host_ordering(draft, world, shared, sync_asked, staged_asked)
     return notices
 
 
-def choose_exchange(args, world, gpus, shared, choices):
+def choose_exchange(draft, world, gpus, shared, choices):
     """--exchange by default (``choices``): one machine's, for two workers,
     CPUs, or workers sharing GPUs; else several's."""
-    if args.exchange is None:
+    if draft.exchange is None:
         # measured: on CPUs the host-ordered exchange beats gloo's all-reduce at 2, 3 and 4
         # workers (bench/results/scaling_cpu.json); GPUs past two stay on NCCL until measured
-        one = args.nodes == 1 and (world == 2 or not gpus or shared)
+        one = draft.nodes == 1 and (world == 2 or not gpus or shared)
         p2p, xla = choices["exchange"]  # in CHOICES' order: p2p's case, then xla's
-        args.exchange = choices["exchange"][p2p if one else xla]
-    if args.exchange == "p2p" and args.nodes > 1:
+        draft.exchange = choices["exchange"][p2p if one else xla]
+    if draft.exchange == "p2p" and draft.nodes > 1:
         raise UsageError("--exchange p2p joins the workers of one machine: use --exchange xla "
                          "on several machines")
 
 
-def around_missing_peer_access(args, world, exchange_asked):
+def around_missing_peer_access(draft, world, exchange_asked):
     """Two GPUs of the run that cannot read each other's memory: past two
     workers, and where nothing of p2p's was asked for, xla; else the weights
     through host memory (--staged).  Returns the notices."""
-    used = list(map(int, args.devices))
+    used = list(map(int, draft.devices))
     pair = next(((a, b) for a, b in itertools.combinations(used, 2)
                  if not peer_access(a, b)), None)
-    if pair and world > 2 and not exchange_asked and not (args.sync or args.avg):
-        args.exchange = "xla"
+    if pair and world > 2 and not exchange_asked and not (draft.sync or draft.avg):
+        draft.exchange = "xla"
         return [f"notice: GPUs {pair[0]} and {pair[1]} cannot reach each other's memory: the "
                 "workers average with --exchange xla"]
-    if pair and not args.staged:
-        args.staged = True
+    if pair and not draft.staged:
+        draft.staged = True
         return [f"warning: GPUs {pair[0]} and {pair[1]} cannot access each other's memory: "
                 "the weights go through host memory (slower, same numbers)"]
     return []
 
 
-def check_xla(args, gpus, shared):
-    if args.sync or args.avg or args.staged:
+def check_xla(draft, gpus, shared):
+    if draft.sync or draft.avg or draft.staged:
         raise UsageError("--sync, --avg and --staged choose how --exchange p2p works; "
                          "--exchange xla averages inside the compiled step")
     problem = xla_runtime.jax_problem(cpu=not gpus)
@@ -119,50 +121,50 @@ def check_xla(args, gpus, shared):
         raise UsageError("--exchange xla needs a different GPU for every worker")
 
 
-def choose_sync_and_avg(args, gpus, choices):
+def choose_sync_and_avg(draft, gpus, choices):
     """--sync and --avg by default: ``choices``' for the hardware."""
-    if args.staged and not gpus:
+    if draft.staged and not gpus:
         raise UsageError("--staged moves GPU workers' weights through host memory: CPU "
                          "workers' weights are in host memory already")
     hardware = "gpu" if gpus else "cpu"
-    args.sync = args.sync or choices["sync"][hardware]
-    if args.sync == "gpu" and not gpus:
+    draft.sync = draft.sync or choices["sync"][hardware]
+    if draft.sync == "gpu" and not gpus:
         raise UsageError("--sync gpu orders the exchange on GPU streams: on CPUs the host "
                          "orders it (--sync host)")
-    if args.sync == "gpu" and args.avg:
+    if draft.sync == "gpu" and draft.avg:
         raise UsageError("--avg chooses how the host-ordered loop averages: add --sync host")
-    args.avg = args.avg or choices["avg"][hardware]
+    draft.avg = draft.avg or choices["avg"][hardware]
     here, there, in_place = ("GPUs", "CPUs", "pycuda") if gpus else ("CPUs", "GPUs", "shared")
-    if args.avg in ("pycuda", "shared") and args.avg != in_place:
-        raise UsageError(f"--avg {args.avg} averages in place on {there}: on {here}, "
+    if draft.avg in ("pycuda", "shared") and draft.avg != in_place:
+        raise UsageError(f"--avg {draft.avg} averages in place on {there}: on {here}, "
                          f"--avg {in_place} does")
 
 
-def host_ordering(args, world, shared, sync_asked, staged_asked):
+def host_ordering(draft, world, shared, sync_asked, staged_asked):
     """GPUs the GPU-ordered exchange cannot join peer to peer (shared, or
     through host memory) are ordered by the host, unless --sync gpu was asked
     for on one shared GPU (time-sliced: for testing).  Returns the notices."""
     why = (("both workers share one GPU" if world == 2 else "workers share a GPU") if shared
-           else "--staged" if staged_asked else "no peer access" if args.staged else None)
-    if args.sync == "gpu" and shared and sync_asked and not args.staged:
-        return [f"notice: {world} workers on GPU {args.devices[0]}: the GPU-ordered exchange "
+           else "--staged" if staged_asked else "no peer access" if draft.staged else None)
+    if draft.sync == "gpu" and shared and sync_asked and not draft.staged:
+        return [f"notice: {world} workers on GPU {draft.devices[0]}: the GPU-ordered exchange "
                 "runs there time-sliced, each worker's kernel waiting for the others' turns; "
                 "correct, and slow: for testing where one GPU is all there is"]
-    if args.sync == "gpu" and why:
-        args.sync = "host"
+    if draft.sync == "gpu" and why:
+        draft.sync = "host"
         return [f"notice: the exchange is ordered by the host (--sync host): {why}"]
     return []
 
 
-def check_nodes(args):
-    if not 0 <= args.node_rank < args.nodes:
-        raise UsageError(f"--node-rank {args.node_rank} is out of range: 0..{args.nodes - 1} "
-                         f"for --nodes {args.nodes}")
-    if args.coordinator:
-        if host_and_port(args.coordinator) is None:
-            raise UsageError(f"--coordinator {args.coordinator}: expected HOST:PORT, "
+def check_nodes(draft):
+    if not 0 <= draft.node_rank < draft.nodes:
+        raise UsageError(f"--node-rank {draft.node_rank} is out of range: 0..{draft.nodes - 1} "
+                         f"for --nodes {draft.nodes}")
+    if draft.coordinator:
+        if host_and_port(draft.coordinator) is None:
+            raise UsageError(f"--coordinator {draft.coordinator}: expected HOST:PORT, "
                              "e.g. 10.0.0.1:29500")
-    elif args.nodes > 1:
+    elif draft.nodes > 1:
         raise UsageError("--nodes > 1 needs --coordinator HOST:PORT: an address of node 0 "
                          "that every node can reach")
 
@@ -179,28 +181,81 @@ NODE_OWN = ("devices", "save", "resume", "json", "trace", "trace_from", "trace_s
             "timeout", "rejoin_timeout", "node_rank", "secret_file", "coordinator")
 
 
-def check_outputs(args):
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The request, checked: every option as given or as resolved (its
+    default, the machine's choice), and what the checks found.  Made once
+    (``check_request``), handed down to the supervisor and, as the run
+    folder's ``config.json``, to the workers; a restart makes a new one
+    (``dataclasses.replace``), resuming from elsewhere."""
+    # what it trains, and how (the options)
+    devices: list          # this node's: a GPU index or "cpu" each, one worker each
+    epochs: int
+    batch_size: int        # per worker
+    learning_rate: float
+    n_hidden: int
+    l1: float
+    l2: float
+    seed: int
+    dataset: str           # resolved: a path, or the shipped digits
+    average_every: int
+    exchange: str          # "p2p" or "xla"
+    sync: str | None       # p2p: "gpu" or "host"
+    avg: str | None        # --sync host: "theano", "pycuda", "shared" or "cpu"
+    staged: bool
+    steps_per_call: int
+    check: bool
+    # what it leaves, and where it starts (the options)
+    save: str | None
+    resume: str | None     # a path, or what a restart resumes from, in words
+    json: str | None
+    trace: str | None
+    trace_from: int | None
+    trace_steps: int | None
+    # how long it waits, how often it starts again, its machines (the options)
+    timeout: float
+    max_restarts: int
+    rejoin_timeout: float
+    nodes: int
+    node_rank: int
+    secret_file: str | None
+    coordinator: str | None
+    # what the checks found
+    command: str           # as typed: a failed run's last line gives it back
+    resume_epoch: int      # the epoch it resumes from (0: the first)
+    trained_with: dict     # what its checkpoints record (``resume.TRAINED_WITH``)
+    run_id: str            # its name, in every checkpoint it writes
+    local_workers: int
+    platform: str          # "cpu" or "gpu"
+    run_options: dict      # what every node must be given the same (``RUN_OPTIONS``)
+    one_machine: bool      # every node on this machine
+    jax_coordinator: str | None
+    checked_resume: bytes | None  # the checkpoint to resume, as read and checked
+    checked_data: tuple    # the data set, as read and checked: what the workers train on
+
+
+def check_outputs(draft):
     """No output overwrites an input or another output of this run.  Node
     R > 0 writes its workers' trace beside node 0's, PATH.nodeR.json: on one
     machine, or one shared file system, the nodes' traces do not meet."""
-    if args.node_rank and (args.save or args.json):
-        raise UsageError(f"{'--save' if args.save else '--json'}: node 0 keeps the run's "
+    if draft.node_rank and (draft.save or draft.json):
+        raise UsageError(f"{'--save' if draft.save else '--json'}: node 0 keeps the run's "
                          "checkpoint and summary; give it to node 0 only")
-    if args.trace and args.node_rank:
-        stem, ext = os.path.splitext(args.trace)
-        args.trace = f"{stem}.node{args.node_rank}{ext}"
-    if args.trace and trace_picture(args.trace) == args.trace:
-        raise UsageError(f"--trace {args.trace}: a .png is the picture beside the trace; name "
+    if draft.trace and draft.node_rank:
+        stem, ext = os.path.splitext(draft.trace)
+        draft.trace = f"{stem}.node{draft.node_rank}{ext}"
+    if draft.trace and trace_picture(draft.trace) == draft.trace:
+        raise UsageError(f"--trace {draft.trace}: a .png is the picture beside the trace; name "
                          "the trace PATH.json")
-    why = cli.clash({"--dataset": datasets.files_of(args.dataset), "--resume": [args.resume],
-                     "--secret-file": [args.secret_file]},
-                    {"--save": [args.save], "--json": [args.json], "--trace": [args.trace],
-                     "--trace's picture": [trace_picture(args.trace)]},
+    why = cli.clash({"--dataset": datasets.files_of(draft.dataset), "--resume": [draft.resume],
+                     "--secret-file": [draft.secret_file]},
+                    {"--save": [draft.save], "--json": [draft.json], "--trace": [draft.trace],
+                     "--trace's picture": [trace_picture(draft.trace)]},
                     allowed={("--save", "--resume")})
     if why:
         raise UsageError(why)
-    if args.trace and not args.trace.endswith(".json"):
-        raise UsageError(f"--trace {args.trace}: a trace is JSON: name it PATH.json (its "
+    if draft.trace and not draft.trace.endswith(".json"):
+        raise UsageError(f"--trace {draft.trace}: a trace is JSON: name it PATH.json (its "
                          "picture goes beside it, PATH.png)")
 
 
@@ -209,47 +264,47 @@ def trace_picture(path):
     return os.path.splitext(path)[0] + ".png" if path else None
 
 
-def check_trace(args, n_steps):
+def check_trace(draft, n_steps):
     """The window of --trace: --trace-from an epoch this run trains (default
     the second it trains, a resumed run's too; its only one, of a run of
     one), --trace-steps within the run; returns the notices."""
-    if not args.trace:
-        if args.trace_from or args.trace_steps:
+    if not draft.trace:
+        if draft.trace_from or draft.trace_steps:
             raise UsageError("--trace-from and --trace-steps choose what --trace PATH records")
         return []
-    epoch = args.trace_from or min(args.resume_epoch + 2, args.epochs)
-    if not args.resume_epoch < epoch <= args.epochs:
-        raise UsageError(f"--trace-from {epoch}: the run trains epochs {args.resume_epoch + 1} "
-                         f"to {args.epochs}")
-    args.trace_from, args.trace_steps = epoch, args.trace_steps or 50
-    left = (args.epochs - epoch + 1) * n_steps
-    if args.trace_steps > left:
-        return [f"notice: --trace-steps {args.trace_steps}: the run has {left} steps from "
+    epoch = draft.trace_from or min(draft.resume_epoch + 2, draft.epochs)
+    if not draft.resume_epoch < epoch <= draft.epochs:
+        raise UsageError(f"--trace-from {epoch}: the run trains epochs {draft.resume_epoch + 1} "
+                         f"to {draft.epochs}")
+    draft.trace_from, draft.trace_steps = epoch, draft.trace_steps or 50
+    left = (draft.epochs - epoch + 1) * n_steps
+    if draft.trace_steps > left:
+        return [f"notice: --trace-steps {draft.trace_steps}: the run has {left} steps from "
                 f"epoch {epoch} on; it traces those"]
     return []
 
 
-def check_steps_per_call(args, n_steps, default):
+def check_steps_per_call(draft, n_steps, default):
     """Resolve --steps-per-call: ``default`` (rounded up to a multiple of
     --average-every), never more than an epoch of ``n_steps``; one for the
     host-ordered loop.  A call of K steps ends on an average, so a K less
     than an epoch must be a multiple of H.  Returns the notices."""
-    every, notices = args.average_every, []
+    every, notices = draft.average_every, []
     if every > n_steps:
         notices.append(f"notice: --average-every {every} is more than an epoch ({n_steps} steps): "
                        "the replicas average once an epoch, at its end")
-    if args.exchange == "p2p" and args.sync == "host":
-        if args.steps_per_call:
+    if draft.exchange == "p2p" and draft.sync == "host":
+        if draft.steps_per_call:
             raise UsageError("--steps-per-call: the host-ordered 2014 loop (--sync host) takes "
                              "one step per call; K steps per call need --sync gpu or "
                              "--exchange xla")
-        args.steps_per_call = 1
+        draft.steps_per_call = 1
         return notices
-    asked = args.steps_per_call
+    asked = draft.steps_per_call
     if asked and asked % every and asked < n_steps:
         raise UsageError(f"--steps-per-call {asked} is not a multiple of --average-every "
                          f"{every}: a compiled call of K steps ends on an average")
-    args.steps_per_call = min(asked or -(-default // every) * every, n_steps)
+    draft.steps_per_call = min(asked or -(-default // every) * every, n_steps)
     if asked and asked > n_steps:
         notices.append(f"notice: --steps-per-call {asked} is more than an epoch: {n_steps} steps "
                        "per call")
@@ -285,14 +340,19 @@ def check_xla_flags():
                          "--xla_force_host_platform_device_count=2)")
 
 
-def check_request(args, shapes, *, batch_size, shipped_batch_size, steps_per_call, epochs,
-                  choices):
-    """Resolve defaults and check every input; returns the notices to print.
-    ``shapes`` are the model's parameters' (a checkpoint must hold them),
-    ``batch_size`` is the default per worker, ``shipped_batch_size`` the one
-    on the shipped digits (too few for two minibatches of the default),
-    ``steps_per_call`` the device-ordered exchanges' default, ``epochs``
-    --epochs', ``choices`` those of --exchange, --sync and --avg."""
+def check_request(args, shapes, *, command, batch_size, shipped_batch_size, steps_per_call,
+                  epochs, choices):
+    """The parsed options ``args`` checked, every default resolved: (the
+    ``Plan``, the notices to print).  ``shapes`` are the model's parameters'
+    (a checkpoint must hold them), ``command`` the command line as typed (a
+    failed run's last line gives it back), ``batch_size`` is the default per
+    worker, ``shipped_batch_size`` the one on the shipped digits (too few for
+    two minibatches of the default), ``steps_per_call`` the device-ordered
+    exchanges' default, ``epochs`` --epochs', ``choices`` those of
+    --exchange, --sync and --avg.  The checks fill in a draft of the plan,
+    from the options as parsed (which stay as they were), and the plan is
+    made from it once, at the end, frozen."""
+    draft = argparse.Namespace(**vars(args), command=command, checked_resume=None)
     notices = []
     fault = fault_spec_problem()
     if fault:
@@ -300,57 +360,60 @@ def check_request(args, shapes, *, batch_size, shipped_batch_size, steps_per_cal
     if flags.DEVICE:
         notices.append(f"warning: THEANO_FLAGS: 'device={flags.DEVICE_ASKED}' is ignored: "
                        "dual_mlp.py takes its devices as arguments (dual_mlp.py 0 1)")
-    check_nodes(args)
+    check_nodes(draft)
     check_xla_flags()
-    args.devices, notice = choose_devices(args.devices, args.nodes)
-    check_limits(len(args.devices), args.nodes)
+    draft.devices, notice = choose_devices(draft.devices, draft.nodes)
+    check_limits(len(draft.devices), draft.nodes)
     notices.append(notice)
-    world, gpus = args.nodes * len(args.devices), args.devices[0] != "cpu"
-    notices += check_exchange(args, world, gpus, choices)
+    world, gpus = draft.nodes * len(draft.devices), draft.devices[0] != "cpu"
+    notices += check_exchange(draft, world, gpus, choices)
     if gpus and pytensor.config.floatX != "float32":
         raise UsageError("the GPU path runs in float32: drop floatX from the flags")
-    args.dataset, notice = datasets.resolve(args.dataset)
+    draft.dataset, notice = datasets.resolve(draft.dataset)
     notices.append(notice)
-    check_outputs(args)
+    check_outputs(draft)
     # read once and checked: the workers train on this very copy (``launch``)
-    splits = args.checked_data = datasets.read_checked(args.dataset)
+    splits = draft.checked_data = datasets.read_checked(draft.dataset)
     n_train = len(splits[0][0])
-    if args.batch_size is None:
-        args.batch_size = shipped_batch_size if args.dataset == datasets.SHIPPED else batch_size
-        if args.dataset == datasets.SHIPPED:
-            steps = steps_per_epoch(n_train // args.batch_size, world)
-            notices.append(f"batch size {args.batch_size} per worker, so that each worker "
+    if draft.batch_size is None:
+        draft.batch_size = shipped_batch_size if draft.dataset == datasets.SHIPPED else batch_size
+        if draft.dataset == datasets.SHIPPED:
+            steps = steps_per_epoch(n_train // draft.batch_size, world)
+            notices.append(f"batch size {draft.batch_size} per worker, so that each worker "
                            f"gets {cli.counted(steps, 'minibatch', 'minibatches')} per epoch")
-    if n_train < world * args.batch_size:
-        raise UsageError(f"batch size {args.batch_size} is too large: the training set has "
+    if n_train < world * draft.batch_size:
+        raise UsageError(f"batch size {draft.batch_size} is too large: the training set has "
                          f"{n_train} images, and each of the {world} workers needs a minibatch")
-    notices += check_steps_per_call(args, steps_per_epoch(n_train // args.batch_size, world),
+    notices += check_steps_per_call(draft, steps_per_epoch(n_train // draft.batch_size, world),
                                     steps_per_call)
-    too_big = memory.memory_problem(shapes, len(args.devices), sum(x.size for x, _ in splits))
+    too_big = memory.memory_problem(shapes, len(draft.devices), sum(x.size for x, _ in splits))
     if too_big:
         raise UsageError(too_big)
-    args.trained_with = dict({k: getattr(args, k) for k in TRAINED_WITH[:-2]}, workers=world,
+    draft.trained_with = dict({k: getattr(draft, k) for k in TRAINED_WITH[:-2]}, workers=world,
                              dataset=datasets.fingerprint(splits))
-    args.resume_epoch = 0
-    if args.resume:
-        notices += check_resume(args, shapes, epochs)
-    elif args.epochs is None:
-        args.epochs = epochs
-    args.trained_with["epochs"] = args.epochs  # recorded, for a --resume without --epochs
+    draft.resume_epoch = 0
+    if draft.resume:
+        resumed, more = check_resume(draft, shapes, epochs)
+        vars(draft).update(resumed)
+        notices += more
+    elif draft.epochs is None:
+        draft.epochs = epochs
+    draft.trained_with["epochs"] = draft.epochs  # recorded, for a --resume without --epochs
     # the run's name, in each checkpoint it writes: a restart takes only its own run's
-    args.run_id = secrets.token_hex(8)
-    notices.append(records.replaced_checkpoint(args.save, args.resume, shapes))
-    notices += check_trace(args, steps_per_epoch(n_train // args.batch_size, world))
-    args.local_workers, args.platform = len(args.devices), "gpu" if gpus else "cpu"
-    args.run_options = {k: args.trained_with[k] if k in TRAINED_WITH else getattr(args, k)
+    draft.run_id = secrets.token_hex(8)
+    notices.append(records.replaced_checkpoint(draft.save, draft.resume, shapes))
+    notices += check_trace(draft, steps_per_epoch(n_train // draft.batch_size, world))
+    draft.local_workers, draft.platform = len(draft.devices), "gpu" if gpus else "cpu"
+    draft.run_options = {k: draft.trained_with[k] if k in TRAINED_WITH else getattr(draft, k)
                         for k in RUN_OPTIONS}
-    notices.append(place_coordinator(args))
-    return [n for n in notices if n]
+    notices.append(place_coordinator(draft))
+    plan = Plan(**{field.name: getattr(draft, field.name) for field in dataclasses.fields(Plan)})
+    return plan, [n for n in notices if n]
 
 
-def place_coordinator(args):
-    """Where JAX's coordinator listens (``args.jax_coordinator``), and
-    whether every node is on this machine (``args.one_machine``: one node,
+def place_coordinator(draft):
+    """Where JAX's coordinator listens (``draft.jax_coordinator``), and
+    whether every node is on this machine (``draft.one_machine``: one node,
     or nodes meeting on the loopback).  On one machine, a socket in node 0's
     private run folder, which no other user can reach (set once the folder
     is named: ``private_coordinator``), where a TCP port on the loopback
@@ -358,48 +421,51 @@ def place_coordinator(args):
     machines, on node 0 at a port of its own choosing, which the lobby
     tells only the run's nodes; on one node where --coordinator names an
     address beyond the loopback, there.  Returns a notice."""
-    args.one_machine = args.nodes == 1 or on_loopback(args.coordinator)
-    args.jax_coordinator, notice = None, None
-    if args.nodes > 1 and args.node_rank == 0:
-        check_port(args.coordinator)
-        if not args.one_machine:
-            host = host_and_port(args.coordinator)[0]
-            args.jax_coordinator = f"{host}:{free_port(host)}"
-    elif args.coordinator and args.exchange == "xla" and args.nodes == 1:
-        check_port(args.coordinator)
-        if on_loopback(args.coordinator):
-            notice = (f"notice: --coordinator {args.coordinator} is on the loopback, where any "
+    draft.one_machine = draft.nodes == 1 or on_loopback(draft.coordinator)
+    draft.jax_coordinator, notice = None, None
+    if draft.nodes > 1 and draft.node_rank == 0:
+        check_port(draft.coordinator)
+        if not draft.one_machine:
+            host = host_and_port(draft.coordinator)[0]
+            draft.jax_coordinator = f"{host}:{free_port(host)}"
+    elif draft.coordinator and draft.exchange == "xla" and draft.nodes == 1:
+        check_port(draft.coordinator)
+        if on_loopback(draft.coordinator):
+            notice = (f"notice: --coordinator {draft.coordinator} is on the loopback, where any "
                       "user of this machine could reach it: JAX's coordinator listens on a "
                       "socket in the run's private folder instead")
         else:
-            args.jax_coordinator = args.coordinator
+            draft.jax_coordinator = draft.coordinator
     return notice
 
 
 def prepare(args, shapes, run, **defaults):
     """The run made ready, or refused in one line (SystemExit: 2, or 1 where
-    another node did not answer): the request checked (``check_request``,
-    with ``defaults``: batch size, the shipped digits', steps per call,
-    epochs, the exchange's choices), its outputs held (``run``: an ExitStack
-    that releases them), its private folder named, JAX's coordinator placed,
-    the other nodes met; and what it has to say, said: node 0 speaks for the
-    run, every other node says that it joined.  Returns (the run folder, the
-    other nodes' link)."""
+    another node did not answer): the parsed options ``args`` checked
+    (``check_request``, with ``defaults``: the command line, batch size, the
+    shipped digits', steps per call, epochs, the exchange's choices), its
+    outputs held (``run``: an ExitStack that releases them), its private
+    folder named, JAX's coordinator placed, the other nodes met; and what it
+    has to say, said: node 0 speaks for the run, every other node says that
+    it joined.  Returns (the ``Plan``, the run folder, the other nodes' link)."""
     try:
-        notices = check_request(args, shapes, **defaults)
-        run.enter_context(locks.hold(args.save, args.json, args.trace,
-                                       trace_picture(args.trace),
-                                       room=records.checkpoint_bytes(shapes)))
-        rundir, folder_notice = run_folder(args, shapes)
-        if args.exchange == "xla" and not args.jax_coordinator and not args.node_rank:
-            args.jax_coordinator = private_coordinator(rundir)
-        link, notice = lobby.meet(args, shapes, run)
+        plan, notices = check_request(args, shapes, **defaults)
+        run.enter_context(locks.hold(plan.save, plan.json, plan.trace,
+                                     trace_picture(plan.trace),
+                                     room=records.checkpoint_bytes(shapes)))
+        rundir, folder_notice = run_folder(plan, shapes)
+        if plan.exchange == "xla" and not plan.jax_coordinator and not plan.node_rank:
+            plan = dataclasses.replace(plan, jax_coordinator=private_coordinator(rundir))
+        link, notice = lobby.meet(plan, shapes, run)
+        if plan.node_rank:  # node 0 told it where JAX's coordinator is, and the run's name
+            plan = dataclasses.replace(plan, jax_coordinator=link.jax_coordinator,
+                                       run_id=link.run)
         notices.append(notice)
     except (UsageError, NoRunFolder, datasets.DatasetError, records.CheckpointError,
             member.NoAnswer) as e:
         cli.say(f"dual_mlp.py: error: {e}", file=sys.stderr)
         raise SystemExit(1 if isinstance(e, member.NoAnswer) else 2) from None
-    for said in notices + [folder_notice] if args.node_rank == 0 else [notice]:
+    for said in notices + [folder_notice] if plan.node_rank == 0 else [notice]:
         if said:
             cli.say(said, file=sys.stderr if said.startswith("warning:") else sys.stdout)
-    return rundir, link
+    return plan, rundir, link

@@ -8,6 +8,7 @@ be given the same, but for the learning rate.
 """
 from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 import base64
+import dataclasses
 
 from multi_gpu import datasets, records
 from multi_gpu.cli import UsageError
@@ -36,29 +37,30 @@ def differences(theirs, mine, keys):
                      for k in differ)
 
 
-def check_resume(args, shapes, epochs=None, raw=None):
-    """The checkpoint fits the model's parameter ``shapes``, is not finished,
-    and was trained as this run asks (the learning rate may change, with a
-    notice).  Without --epochs, the run goes on to the epochs the
-    checkpoint's run asked for (``epochs``, the default, where it does not
-    say), and says so.  Returns the notices."""
+def check_resume(request, shapes, epochs=None, raw=None):
+    """The checkpoint ``request.resume`` fits the model's parameter
+    ``shapes``, is not finished, and was trained as ``request`` asks (the
+    learning rate may change, with a notice).  Without --epochs, the run
+    goes on to the epochs the checkpoint's run asked for (``epochs``, the
+    default, where it does not say), and says so.  Returns (what the request
+    resumes with: the checkpoint's bytes, its epoch, and the epochs where
+    --epochs was not given; the notices)."""
     # read once (a FIFO refused before it is opened), checked, and handed to the
-    # workers as that one version (``launch``), whatever writes the file meanwhile
-    # (``raw``: its bytes, where they came from another node)
-    args.checked_resume = raw or records.read_checkpoint(args.resume, shapes)
-    _, _, state = records.load_checkpoint(args.resume, shapes, records.TRAINING_STATE,
-                                          raw=args.checked_resume)
+    # workers as that one version (``leave_the_request``), whatever writes the file
+    # meanwhile (``raw``: its bytes, where they came from another node)
+    path = request.resume
+    checked = raw or records.read_checkpoint(path, shapes)
+    _, _, state = records.load_checkpoint(path, shapes, records.TRAINING_STATE, raw=checked)
     saved, notices = state.get("config"), []
     asked = (saved or {}).get("epochs")
-    if args.epochs is None:
+    resumed = dict(checked_resume=checked, resume_epoch=state["epoch"])
+    if request.epochs is None:
         known = type(asked) is int and asked > state["epoch"]
-        args.epochs = asked if known else epochs
-        notices.append(f"notice: --resume {args.resume}: trains on to epoch {args.epochs}, "
+        resumed["epochs"] = asked if known else epochs
+        notices.append(f"notice: --resume {path}: trains on to epoch {resumed['epochs']}, "
                        + ("as its run asked" if known else "the default") + " (see --epochs)")
-    if state["epoch"] >= args.epochs:
-        raise UsageError(f"{args.resume} is already at epoch {state['epoch']}: "
-                         f"ask for more --epochs")
-    args.resume_epoch = state["epoch"]
+    if state["epoch"] >= resumed.get("epochs", request.epochs):
+        raise UsageError(f"{path} is already at epoch {state['epoch']}: ask for more --epochs")
     if saved is not None:
         saved.setdefault("average_every", 1)  # checkpoints from before --average-every
         odd = [k for k in TRAINED_WITH if not isinstance(saved.get(k), CONFIG_KINDS[k])
@@ -68,81 +70,86 @@ def check_resume(args, shapes, epochs=None, raw=None):
             odd.append("epochs")
         if odd:
             raise records.CheckpointError(
-                f"{args.resume}: its config has {odd[0]} = {saved.get(odd[0])!r}, not one this "
+                f"{path}: its config has {odd[0]} = {saved.get(odd[0])!r}, not one this "
                 "demo writes: not a checkpoint of dual_mlp.py")
     if saved is None:
-        return notices + [f"notice: {args.resume} does not record how it was trained (an "
-                          "older checkpoint): resuming with the options given"]
+        return resumed, notices + [f"notice: {path} does not record how it was trained (an "
+                                   "older checkpoint): resuming with the options given"]
     if not saved["dataset"].startswith(datasets.FINGERPRINT):
-        raise UsageError(f"{args.resume} was written by an older version of the demo, whose "
+        raise UsageError(f"{path} was written by an older version of the demo, whose "
                          "data set fingerprint sampled 256 rows: this one cannot tell whether "
                          "it was trained on this data set; start anew")
     fixed = [k for k in TRAINED_WITH if k != "learning_rate"]
-    if differences(saved, args.trained_with, fixed):
-        raise UsageError(f"{args.resume} was trained otherwise: "
-                         f"{differences(saved, args.trained_with, fixed)} (the checkpoint "
+    if differences(saved, request.trained_with, fixed):
+        raise UsageError(f"{path} was trained otherwise: "
+                         f"{differences(saved, request.trained_with, fixed)} (the checkpoint "
                          "there, this run here): resume with its options, or start anew")
-    if saved["learning_rate"] != args.learning_rate:
+    if saved["learning_rate"] != request.learning_rate:
         notices.append(f"notice: the learning rate changes from {saved['learning_rate']} to "
-                       f"{args.learning_rate} at epoch {state['epoch'] + 1}")
-    return notices
+                       f"{request.learning_rate} at epoch {state['epoch'] + 1}")
+    return resumed, notices
 
 
-def restart_point(args, shapes):
-    """Make the request resume where a restart starts: from this run's last
-    checkpoint (--save) once it wrote one, else where the run began (its
-    --resume, or the first epoch).  Returns where, in words."""
-    if args.save and records.written_by(args.save, shapes)[0] == args.run_id:
-        args.resume = args.save
-    if args.resume:
-        check_resume(args, shapes)
-    return resumed_at(args)
+# -- where a restart starts: the plan again, resuming from elsewhere ---------------------
+
+def restart_point(plan, shapes):
+    """Where a restart starts: from this run's last checkpoint (--save) once
+    it wrote one, else where the run began (its --resume, or the first
+    epoch).  Returns (the plan that resumes there, where in words)."""
+    if plan.save and records.written_by(plan.save, shapes)[0] == plan.run_id:
+        plan = dataclasses.replace(plan, resume=plan.save)
+    if plan.resume:
+        plan = dataclasses.replace(plan, **check_resume(plan, shapes)[0])
+    return resumed_at(plan)
 
 
-def follow(args, order, shapes):
-    """Node R > 0: make the request resume where node 0's ``order`` says,
-    from the bytes of node 0's checkpoint, checked here as a file given to
-    --resume is (a checkpoint of this model, at the epoch the order names).
-    Returns where, in words."""
-    args.jax_coordinator, args.resume_epoch = order["jax_coordinator"], order["resume_epoch"]
-    args.checked_resume = order["checkpoint"] and base64.b64decode(order["checkpoint"])
-    args.resume = "node 0's checkpoint" if order["checkpoint"] else None
-    if args.resume:
-        _, _, state = records.load_checkpoint(args.resume, shapes, records.TRAINING_STATE,
-                                              raw=args.checked_resume)
-        if state["epoch"] != args.resume_epoch:
+def follow(plan, order, shapes):
+    """Node R > 0: where node 0's ``order`` says, from the bytes of node 0's
+    checkpoint, checked here as a file given to --resume is (a checkpoint of
+    this model, at the epoch the order names).  Returns (the plan that
+    resumes there, where in words)."""
+    raw = order["checkpoint"] and base64.b64decode(order["checkpoint"])
+    plan = dataclasses.replace(plan, jax_coordinator=order["jax_coordinator"],
+                               resume_epoch=order["resume_epoch"], checked_resume=raw or None,
+                               resume="node 0's checkpoint" if raw else None)
+    if plan.resume:
+        _, _, state = records.load_checkpoint(plan.resume, shapes, records.TRAINING_STATE,
+                                              raw=raw)
+        if state["epoch"] != plan.resume_epoch:
             raise records.CheckpointError(f"node 0's checkpoint is at epoch {state['epoch']}, "
-                                          f"its order says {args.resume_epoch}")
-    return resumed_at(args)
+                                          f"its order says {plan.resume_epoch}")
+    return resumed_at(plan)
 
 
-def resumed_at(args):
-    """From where the restart trains, in words; a --trace window behind it
-    moves to the restart's first epoch, and the words say so."""
-    moved = ""
-    if args.trace and args.trace_from <= args.resume_epoch:
-        args.trace_from = args.resume_epoch + 1
-        moved = f", --trace now from epoch {args.trace_from} (its window was behind the restart)"
-    where = f"from {args.resume} at epoch {args.resume_epoch}" if args.resume else \
-        "from the first epoch"
-    return where + moved
-
-
-def taken(args, shapes, kept):
-    """Make the request resume from ``kept``, one node's copy of the run's
+def taken(plan, shapes, kept):
+    """Node 0 started again: from ``kept``, one node's copy of the run's
     checkpoint, checked as --resume is (CheckpointError where it does not
-    check out).  Returns from where, in words."""
-    args.run_id = kept["run"]
+    check out), as the run ``kept`` names.  Returns (the plan that resumes
+    there, where in words)."""
+    plan = dataclasses.replace(plan, run_id=kept["run"])
     raw = kept.get("checkpoint") and base64.b64decode(kept["checkpoint"])
     if not raw:
-        args.resume, args.resume_epoch = None, 0
-        return resumed_at(args)
-    args.resume = f"node {kept['rank']}'s copy of the run's checkpoint"
+        return resumed_at(dataclasses.replace(plan, resume=None, resume_epoch=0,
+                                              checked_resume=None))
+    plan = dataclasses.replace(plan, resume=f"node {kept['rank']}'s copy of the run's checkpoint")
     try:
-        run, epoch = records.written_by(args.resume, shapes, raw)
+        run, epoch = records.written_by(plan.resume, shapes, raw)
         if (run, epoch) != (kept["run"], kept.get("epoch")):
-            raise records.CheckpointError(f"{args.resume} is not the run's checkpoint it says")
-        check_resume(args, shapes, raw=raw)
+            raise records.CheckpointError(f"{plan.resume} is not the run's checkpoint it says")
+        plan = dataclasses.replace(plan, **check_resume(plan, shapes, raw=raw)[0])
     except (UsageError, records.CheckpointError) as e:
         raise records.CheckpointError(f"{kept['who']} kept the run, but {e}") from None
-    return resumed_at(args)
+    return resumed_at(plan)
+
+
+def resumed_at(plan):
+    """From where the restart trains, in words; a --trace window behind it
+    moves to the restart's first epoch, and the words say so.  Returns (the
+    plan, its window moved where it must, the words)."""
+    moved = ""
+    if plan.trace and plan.trace_from <= plan.resume_epoch:
+        plan = dataclasses.replace(plan, trace_from=plan.resume_epoch + 1)
+        moved = f", --trace now from epoch {plan.trace_from} (its window was behind the restart)"
+    where = f"from {plan.resume} at epoch {plan.resume_epoch}" if plan.resume else \
+        "from the first epoch"
+    return plan, where + moved

@@ -93,15 +93,15 @@ class RunEnds(Exception):
 
 
 class Supervisor:
-    """One node's launcher, from the checked request (``args``) to the
+    """One node's launcher, from the checked request (``plan``) to the
     exit code: the model's parameter ``shapes``, what each worker runs
     (``start``), the run's private folder (``rundir``), and the other nodes
     (``link``: ``nodes.Alone``, node 0's ``lobby.Lobby`` or a
     ``member.Member``)."""
 
-    def __init__(self, args, shapes, start, rundir, link):
-        self.args, self.shapes, self.start_worker = args, shapes, start
-        self.rundir, self.link, self.member = rundir, link, bool(args.node_rank)
+    def __init__(self, plan, shapes, start, rundir, link):
+        self.plan, self.shapes, self.start_worker = plan, shapes, start
+        self.rundir, self.link, self.member = rundir, link, bool(plan.node_rank)
         self.outcome, self.restarting, self.workers = Outcome(1), None, []
         self.launch = contextlib.ExitStack()  # the run folder, while its workers run
 
@@ -142,7 +142,7 @@ class Supervisor:
         cli.install_stop_handler(request_stop)
         files.keep_descriptors()
         Worker.quiet = False
-        self.workers, self.made = fork_workers(self.args, self.start_worker, self.rundir), False
+        self.workers, self.made = fork_workers(self.plan, self.start_worker, self.rundir), False
         self.launch.callback(self.end_launch)
         fault_point("launcher", "spawned")
         try:
@@ -153,7 +153,7 @@ class Supervisor:
             return self.ended(Outcome(1))
         self.made = True
         fault_point("launcher", "folder")
-        problem = leave_the_request(self.args, self.rundir)
+        problem = leave_the_request(self.plan, self.rundir)
         if problem:
             cli.say(f"error: {problem}", file=sys.stderr)
             return self.ended(Outcome(1))
@@ -184,15 +184,15 @@ class Supervisor:
         member lost and back, or the other nodes bring this node 0 the run
         they kept.  Meanwhile node 0's checkpoint goes to the others at each
         save, and node 0 says whom it waits for while a node has not joined."""
-        args, link, workers = self.args, self.link, self.workers
-        patience, meeting = stall_patience(args.timeout), time.monotonic() + args.timeout
+        plan, link, workers = self.plan, self.link, self.workers
+        patience, meeting = stall_patience(plan.timeout), time.monotonic() + plan.timeout
         turn, woke = time.monotonic(), time.time()
         while not stopping.is_set():
             if time.monotonic() - turn > 1.0:  # this launcher was kept from running
                 woke = time.time()
             turn = time.monotonic()
-            link.share_saved(args.save)
-            link.say_who_is_missing(meeting, args.timeout)
+            link.share_saved(plan.save)
+            link.say_who_is_missing(meeting, plan.timeout)
             codes = [w.proc.poll() for w in workers]
             if all(code == 0 for code in codes):
                 link.tell(NodeState.DONE)
@@ -215,7 +215,7 @@ class Supervisor:
         left = stop(workers)
         interrupted = f"interrupted ({signal.Signals(stopping.signum).name})"
         link.tell(NodeState.FAILED, interrupted, final=True)
-        cli.say(f"{interrupted}{records.resume_hint(args, self.shapes)}{unkillable(left)}",
+        cli.say(f"{interrupted}{records.resume_hint(plan, self.shapes)}{unkillable(left)}",
                 file=sys.stderr)
         return self.ended(Outcome(128 + stopping.signum))
 
@@ -263,16 +263,16 @@ class Supervisor:
     def decide(self):
         """A launch failed: may the run start again, and from where?  Node 0
         decides; a member tells it, and follows its order."""
-        why, args, link = self.outcome.why, self.args, self.link
+        why, plan, link = self.outcome.why, self.plan, self.link
         if not self.member:
             kept = link.kept_by_others()  # this is node 0 started again: the others kept the run
             generation = (kept["generation"] if kept else link.generation) + 1
             if self.outcome.code == 2 or link.door_ended():  # bad input fails again; a door
                 raise RunEnds(why)                            # gone, nobody reaches this node
-            if generation > args.max_restarts:
+            if generation > plan.max_restarts:
                 raise RunEnds(why if not kept else f"{why}, but the run has restarted "
                               f"{kept['generation']} times already (--max-restarts "
-                              f"{args.max_restarts})")
+                              f"{plan.max_restarts})")
             lost = self.outcome.lost
             if not (lost or link.present()):  # a worker broke as a node went: the node's word
                 why, lost = link.verdict() or why, True
@@ -280,7 +280,7 @@ class Supervisor:
             return State.WAITING if lost or kept else State.RESTARTING
         if not link.ordered():
             link.tell(NodeState.FAILED, why)  # node 0 decides whether the run starts again
-        if self.outcome.code == 2 or link.generation >= args.max_restarts:
+        if self.outcome.code == 2 or link.generation >= plan.max_restarts:
             raise RunEnds(why)
         if not (self.outcome.lost or link.node0.lost()):
             link.await_order()
@@ -297,34 +297,34 @@ class Supervisor:
         stands (a lost one came back), for at most --rejoin-timeout seconds;
         the members are told, and wait too.  A member: knock again at node
         0's address, with what it kept of the run, until node 0 is back."""
-        args, link, why = self.args, self.link, self.outcome.why
+        plan, link, why = self.plan, self.link, self.outcome.why
         if self.member:
-            cli.say(f"{why}: waiting up to {args.rejoin_timeout:g} s for node 0 to come back "
-                    f"at {args.coordinator} (its command again, there or on a replacement "
+            cli.say(f"{why}: waiting up to {plan.rejoin_timeout:g} s for node 0 to come back "
+                    f"at {plan.coordinator} (its command again, there or on a replacement "
                     "machine at that address, with the run's secret)", file=sys.stderr)
             try:
-                link.rejoin(args.rejoin_timeout)
+                link.rejoin(plan.rejoin_timeout)
             except NoAnswer as e:
                 raise RunEnds(f"{why}; {e}" if "let it in" in str(e) else
-                              f"{why}; node 0 did not come back within {args.rejoin_timeout:g} "
+                              f"{why}; node 0 did not come back within {plan.rejoin_timeout:g} "
                               "s (--rejoin-timeout)") from None
             except UsageError as e:
                 raise RunEnds(f"{why}; {e}") from None
             return State.RESTARTING
         if self.outcome.lost:
             missing = " and ".join(link.missing())
-            waiting = (f"{why}: waiting up to {args.rejoin_timeout:g} s for {missing} to come "
+            waiting = (f"{why}: waiting up to {plan.rejoin_timeout:g} s for {missing} to come "
                        "back (its command again, there or on a replacement machine)")
             cli.say(waiting, file=sys.stderr)
             link.tell(NodeState.WAITING, waiting)
-        deadline = time.monotonic() + args.rejoin_timeout
+        deadline = time.monotonic() + plan.rejoin_timeout
         while not link.present():
             if stopping.is_set():
                 raise RunEnds(f"{why}; interrupted while waiting for "
                               f"{' and '.join(link.missing())}")
             if time.monotonic() > deadline:
                 raise RunEnds(f"{why}; {' and '.join(link.missing())} did not come back "
-                              f"within {args.rejoin_timeout:g} s (--rejoin-timeout)")
+                              f"within {plan.rejoin_timeout:g} s (--rejoin-timeout)")
             time.sleep(0.05)
         return State.RESTARTING
 
@@ -337,9 +337,9 @@ class Supervisor:
         if again is None:
             return State.WAITING
         cli.say(f"{again.why}: restarting every worker {again.resumed} (restart "
-                f"{again.generation} of {self.args.max_restarts})", file=sys.stderr)
+                f"{again.generation} of {self.plan.max_restarts})", file=sys.stderr)
         try:
-            old, (self.rundir, _) = self.rundir, run_folder(self.args, self.shapes)
+            old, (self.rundir, _) = self.rundir, run_folder(self.plan, self.shapes)
         except NoRunFolder as e:
             raise RunEnds(f"{again.why}; no restart: {e}") from None
         if self.member:
@@ -351,16 +351,17 @@ class Supervisor:
     def plan_restart(self):
         """Node 0: from the checkpoint the others kept (this node 0 came
         back), else from this run's last checkpoint."""
-        args, link, why = self.args, self.link, self.outcome.why
+        link, why = self.link, self.outcome.why
         kept = link.kept_by_others()
         generation = (kept["generation"] if kept else link.generation) + 1
         if kept:
-            resumed = adopt(args, self.shapes, link)
+            self.plan, resumed = adopt(self.plan, self.shapes, link)
             return Restart(generation, why, resumed,
-                           f"node 0 ({host_and_port(args.coordinator)[0]}) came back")
+                           f"node 0 ({host_and_port(self.plan.coordinator)[0]}) came back")
         why = f"{why}, and came back" if self.outcome.lost else why
         try:
-            return Restart(generation, why, restart_point(args, self.shapes), why)
+            self.plan, resumed = restart_point(self.plan, self.shapes)
+            return Restart(generation, why, resumed, why)
         except (UsageError, records.CheckpointError) as e:
             raise RunEnds(f"{why}; no restart: {e}") from None
 
@@ -376,23 +377,24 @@ class Supervisor:
             raise RunEnds(link.verdict() or self.outcome.why or
                           "node 0 gave no order to start again")
         try:
-            return Restart(order["generation"], order["why"], follow(self.args, order,
-                                                                     self.shapes))
+            self.plan, resumed = follow(self.plan, order, self.shapes)
+            return Restart(order["generation"], order["why"], resumed)
         except (UsageError, records.CheckpointError) as e:
             raise RunEnds(f"{order['why']}; no restart: {e}") from None
 
     def order_restart(self, again, old):
         """Node 0's restart: JAX's coordinator where the new run folder is, or
         at a new port (the last one's may linger); the other nodes told."""
-        args, link = self.args, self.link
-        if args.jax_coordinator == private_coordinator(old):
-            args.jax_coordinator = private_coordinator(self.rundir)
-        elif args.nodes > 1:
-            host = host_and_port(args.coordinator)[0]
-            args.jax_coordinator = f"{host}:{free_port(host)}"
-        if args.nodes > 1:
-            link.order_restart(again.generation, again.told, args.jax_coordinator,
-                               args.resume_epoch, args.checked_resume if args.resume else None)
+        plan, link = self.plan, self.link
+        if plan.jax_coordinator == private_coordinator(old):
+            plan = dataclasses.replace(plan, jax_coordinator=private_coordinator(self.rundir))
+        elif plan.nodes > 1:
+            host = host_and_port(plan.coordinator)[0]
+            plan = dataclasses.replace(plan, jax_coordinator=f"{host}:{free_port(host)}")
+        self.plan = plan
+        if plan.nodes > 1:
+            link.order_restart(again.generation, again.told, plan.jax_coordinator,
+                               plan.resume_epoch, plan.checked_resume if plan.resume else None)
         else:
             link.restart(again.generation)
 
@@ -404,7 +406,7 @@ class Supervisor:
         if why is not None:
             self.link.tell(NodeState.FAILED, why, final=True)
             cli.say(f"{self.outcome.trace}error: {why}"
-                    f"{records.resume_hint(self.args, self.shapes)}", file=sys.stderr)
+                    f"{records.resume_hint(self.plan, self.shapes)}", file=sys.stderr)
         return self.outcome.code
 
 
@@ -419,15 +421,15 @@ def another_nodes_word(link):
     return verdict
 
 
-def adopt(args, shapes, link):
+def adopt(plan, shapes, link):
     """Node 0 started again goes on with the run the others kept: its name,
     and the newest copy of its last checkpoint that checks out (as --resume
     does), or where it began.  The copies are checked against each other
-    too (``agreed``); a copy not taken is said, with why.  Returns from
-    where, in words."""
+    too (``agreed``); a copy not taken is said, with why.  Returns (the plan
+    that resumes there, where in words)."""
     for kept in agreed(link.kept_by_others(every=True)):
         try:
-            resumed = taken(args, shapes, kept)
+            resumed = taken(plan, shapes, kept)
         except records.CheckpointError as e:
             cli.say(f"node 0: {e}: its copy is not taken", file=sys.stderr)
             continue

@@ -205,12 +205,13 @@ def test_a_resume_without_epochs_goes_on_to_the_epochs_its_run_asked_for(tmp_pat
                                         f"{dual_mlp.EPOCHS}, the default (see --epochs)"),
             (stopped, ["--epochs", 5], 5, None)):
         args = dual_mlp.parse_args(["cpu", "cpu", "--resume", str(path), *map(str, given)])
-        notices = request.check_request(
-            args, SHAPES, batch_size=dual_mlp.BATCH_SIZE,
+        plan, notices = request.check_request(
+            args, SHAPES, command="python dual_mlp.py", batch_size=dual_mlp.BATCH_SIZE,
             shipped_batch_size=dual_mlp.SHIPPED_BATCH_SIZE,
             steps_per_call=dual_mlp.STEPS_PER_CALL, epochs=dual_mlp.EPOCHS,
             choices=dual_mlp.CHOICES)
-        assert args.epochs == epochs and args.trained_with["epochs"] == epochs
+        assert plan.epochs == epochs and plan.trained_with["epochs"] == epochs
+        assert args.epochs == (given[1] if given else None)  # the parsed options, untouched
         assert [n for n in notices if "--resume" in n] == ([words] if words else []), notices
 
 

@@ -145,6 +145,33 @@ def test_the_lesson_fits_in_650_lines_and_each_module_in_500():
         assert len(path.read_text().splitlines()) <= 500, path.name
 
 
+def test_nothing_assigns_to_the_parsed_options_and_the_runs_life_is_named():
+    """The parsed options are never changed after parsing: the checks fill in
+    a draft and freeze it into one ``request.Plan``, which a restart
+    replaces whole (issue 71).  The run's life is the supervisor's ``State``
+    and a node's standing a ``NodeState``, Enums, not strings; what ends a
+    launch and how a restart goes are named records."""
+    import dataclasses
+    import enum
+    from multi_gpu import nodes, request, supervisor
+    for path in [ROOT / "dual_mlp.py", *(ROOT / "multi_gpu").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                for leaf in ast.walk(target):
+                    assert not (isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name)
+                                and leaf.value.id in ("args", "plan")), \
+                        (path.name, node.lineno, ast.unparse(node))
+    assert request.Plan.__dataclass_params__.frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        object.__new__(request.Plan).epochs = 1
+    assert issubclass(supervisor.State, enum.Enum) and issubclass(nodes.NodeState, enum.Enum)
+    assert nodes.Standing.__annotations__["state"] is nodes.NodeState
+    for record in (supervisor.Outcome, supervisor.Restart, nodes.Standing):
+        assert dataclasses.is_dataclass(record)
+
+
 STEP_PROFILER = """
 import functools, json, os, sys
 sys.path.insert(0, os.getcwd())
