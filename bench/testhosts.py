@@ -138,6 +138,8 @@ BLIPS = {
     "cut": lambda host, s: (host.cut(), time.sleep(s), host.mend()),
     "door": lambda host, s: (os.kill(host.door(), signal.SIGSTOP), time.sleep(s),
                              os.kill(host.door(), signal.SIGCONT)),
+    "stop": lambda host, s: (host.signal(signal.SIGSTOP), time.sleep(s),
+                             host.signal(signal.SIGCONT)),
 }
 
 

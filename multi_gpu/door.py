@@ -140,9 +140,8 @@ def pass_on(source, send):
 
 def main():
     settings = json.loads(sys.stdin.buffer.readline())
-    # named after the launcher, as its run folder is: whoever finds it left (the
-    # launcher and the door killed at once) knows whose it was
-    folder = tempfile.mkdtemp(prefix=f"dual_mlp-{os.getppid()}-door-")
+    # named by the lobby after the launcher, as the run folder is (``files.folder_name``)
+    folder = tempfile.mkdtemp(prefix=settings["folder_prefix"])
     context = zmq.Context()
     auth = zmq.auth.thread.ThreadAuthenticator(context)
     try:

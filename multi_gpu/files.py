@@ -237,7 +237,17 @@ COORDINATOR_SOCKET = "coordinator.sock"
 SOCKET_PATH_MAX = 107  # an ipc:// socket's path, in bytes (Linux's sun_path, less its NUL)
 
 
-RUN_FOLDER_NAME = re.compile(r"dual_mlp-(\d+)-(?:[0-9a-f]{16}|door-[a-z0-9_]{8})")  # or door.py's
+def folder_name(launcher, tail):
+    """A private folder of a run's, named after its ``launcher`` (a pid): the
+    run folder (``run_folder``) and node 0's door's (``lobby.Lobby``, which
+    names it for the door): whoever finds one left (the launcher and its door
+    killed at once) knows whose it was (``drop_folders_of_dead_runs``)."""
+    return f"dual_mlp-{launcher}-{tail}"
+
+
+DOOR_TAIL = "door-"  # the door's folder's, before mkdtemp's 8 characters
+RUN_FOLDER_NAME = re.compile(folder_name(r"(\d+)",
+                                         rf"(?:[0-9a-f]{{16}}|{DOOR_TAIL}[a-z0-9_]{{8}})"))
 STALE_AFTER = 60  # seconds without a heartbeat: a run folder nobody is left to remove
 
 
@@ -280,7 +290,7 @@ def run_folder(args, shapes):
                   f"needs {needed >> 20} MB there: its buffers go to a folder on disk")
         shm = None
     folder = shm or tempfile.gettempdir()
-    name = f"dual_mlp-{os.getpid()}-{secrets.token_hex(8)}"
+    name = folder_name(os.getpid(), secrets.token_hex(8))
     n = len(args.devices)
     socket = os.path.join(folder, name, max(f"peer-{n - 2}-{n - 1}.sock", COORDINATOR_SOCKET,
                                             key=len))  # the longest path

@@ -310,7 +310,8 @@ class Lobby(Admission, Roll, Orders, Heartbeats):
         public, private = curve_keys(secret)
         limit = LOBBY_MESSAGE_LIMIT + 2 * records.checkpoint_bytes(self.shapes, itemsize=8)
         settings = dict(address=self.address, public=public.decode(), private=private.decode(),
-                        message_limit=limit, nodes=self.nodes)
+                        message_limit=limit, nodes=self.nodes,
+                        folder_prefix=files.folder_name(os.getpid(), files.DOOR_TAIL))
         # a session of its own: a terminal's Ctrl-C is the launcher's, which closes the door
         opened = subprocess.Popen([sys.executable, door.__file__], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, start_new_session=True)

@@ -13,6 +13,7 @@ import os
 import resource
 import secrets
 import sys
+import typing
 
 import pytensor
 
@@ -439,6 +440,13 @@ def place_coordinator(draft):
     return notice
 
 
+class Prepared(typing.NamedTuple):
+    """A run made ready (``prepare``)."""
+    plan: Plan
+    rundir: str  # its private folder, named, not made yet
+    link: object  # the other nodes: nodes.Alone, lobby.Lobby or member.Member
+
+
 def prepare(args, shapes, run, **defaults):
     """The run made ready, or refused in one line (SystemExit: 2, or 1 where
     another node did not answer): the parsed options ``args`` checked
@@ -447,7 +455,7 @@ def prepare(args, shapes, run, **defaults):
     outputs held (``run``: an ExitStack that releases them), its private
     folder named, JAX's coordinator placed, the other nodes met; and what it
     has to say, said: node 0 speaks for the run, every other node says that
-    it joined.  Returns (the ``Plan``, the run folder, the other nodes' link)."""
+    it joined.  Returns it ``Prepared``."""
     try:
         plan, notices = check_request(args, shapes, **defaults)
         run.enter_context(locks.hold(plan.save, plan.json, plan.trace,
@@ -468,4 +476,4 @@ def prepare(args, shapes, run, **defaults):
     for said in notices + [folder_notice] if plan.node_rank == 0 else [notice]:
         if said:
             cli.say(said, file=sys.stderr if said.startswith("warning:") else sys.stdout)
-    return plan, rundir, link
+    return Prepared(plan, rundir, link)

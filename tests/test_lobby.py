@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from bench.lobby import measure
-from multi_gpu import door
+from multi_gpu import door, files
 from multi_gpu.member import hello, send_or_drop
 from multi_gpu.nodes import (BEAT_S, LOST_AFTER, Heartbeats, NodeState, Standing, curve_keys,
                              free_port)
@@ -131,7 +131,8 @@ def start_a_door(context, address, secret):
                               stdout=subprocess.PIPE)
     opened.stdin.write(json.dumps(dict(address=address, public=public.decode(),
                                        private=private.decode(), message_limit=1 << 16,
-                                       nodes=2)).encode() + b"\n")
+                                       nodes=2, folder_prefix=files.folder_name(
+                                           os.getpid(), files.DOOR_TAIL))).encode() + b"\n")
     opened.stdin.flush()
     inner = json.loads(opened.stdout.readline())["lobby"]
     member = context.socket(zmq.DEALER)
@@ -186,3 +187,22 @@ def test_node_0s_door_passes_on_its_last_words_and_ends(late):
     finally:
         closed(opened)
         context.destroy(linger=0)
+
+
+def test_kept_copies_are_checked_against_each_other(capsys):
+    """Node 0 started again, three members' copies of the run's checkpoint:
+    at the newest epoch the copy more nodes hold is taken first, and the one
+    that disagrees is said; where as many hold each, none of that epoch is
+    taken (the next older is), and that is said too."""
+    from multi_gpu.supervisor import agreed
+
+    def copy(who, epoch, content):
+        return dict(who=who, generation=0, epoch=epoch, checkpoint=content)
+    majority = [copy("node 1", 5, "A"), copy("node 2", 5, "B"), copy("node 3", 5, "A")]
+    assert [k["who"] for k in agreed(majority)] == ["node 1"]
+    said = capsys.readouterr().err
+    assert "the copies of the run's checkpoint at epoch 5 differ: node 1 and node 3's; " \
+        "node 2's: node 1 and node 3's, held by more, is taken" in said, said
+    tie = [copy("node 1", 5, "A"), copy("node 2", 5, "B"), copy("node 3", 4, "C")]
+    assert [k["who"] for k in agreed(tie)] == ["node 3"]
+    assert "as many nodes hold each, so none is taken" in capsys.readouterr().err

@@ -34,21 +34,20 @@ from conftest import PACED, assert_identical_checkpoints, made_once, run_directo
 
 pytestmark = pytest.mark.skipif(bool(why_no_test_hosts()), reason=str(why_no_test_hosts()))
 
-EPOCHS = 12
-# a door stopped leaves the workers training (their sockets are their own): its runs
-# are paced to outlast it
+EPOCHS = 14
+# a door stopped leaves the workers training (their sockets are their own): a run whose
+# door stops is paced to outlast it
 SLOWER = {"DUAL_MLP_FAULT": "0:train:slow=0.5"}
-# name: (--max-restarts, the pace, its blips in turn: (what, seconds)); blip k strikes
-# once node 0 has reported epoch 2 + 2k, or, for the cut at the end, the last epoch
+# name: (--max-restarts, the pace, its blips in turn: (what, seconds, after node 0's epoch))
 BLIP_RUNS = {
-    "cuts": (5, PACED, [("cut", 3), ("cut", 5), ("cut", 6), ("cut", 8), ("cut", 12)]),
-    "door": (2, SLOWER, [("door", 8)]),
-    "cuts, no restarts": (0, PACED, [("cut", 3), ("cut", 8)]),
-    "door, no restarts": (0, SLOWER, [("door", 8)]),
-    "cut at the end": (0, PACED, [("cut", 8)]),
+    "blips": (6, SLOWER, [("door", 8, 2), ("cut", 3, 4), ("cut", 5, 6), ("cut", 6, 8),
+                          ("cut", 8, 10), ("cut", 12, 12)]),
+    "cut 8 s, no restarts": (0, PACED, [("cut", 8, 2)]),
+    "door 8 s, no restarts": (0, SLOWER, [("door", 8, 2)]),
+    "cut 3 s, then as the last epoch is reported": (0, PACED, [("cut", 3, 2),
+                                                               ("cut", 8, EPOCHS)]),
 }
-RETURNS = ("worker killed", "node 1 back", "node 0 back twice", "node 0 back right",
-           "node 0 lost as node 1 comes back")
+RETURNS = ("worker killed, node 1 back", "node 0 back twice", "node 0 lost as node 1 comes back")
 
 
 def slug(name):
@@ -120,9 +119,8 @@ def blips(name, folder, hosts):
         line, read = nodes[0].out[read][1], read + 1
         if not line.startswith("epoch "):
             continue
-        epoch = int(line.split()[1].split("/")[0])
-        if epoch >= (EPOCHS if name == "cut at the end" else 2 + 2 * len(struck)):
-            what, seconds = strikes[len(struck)]
+        what, seconds, after = strikes[len(struck)]
+        if int(line.split()[1].split("/")[0]) >= after:
             struck.append(time.monotonic())
             BLIPS[what](hosts[1] if what == "cut" else hosts[0], seconds)
     return nodes, struck
@@ -140,20 +138,17 @@ def returns(name, folder, hosts):
         if rank == 0:
             os.remove(folder / f"{slug(name)}.npz")
     nodes = [node(0), node(1)]
-    if name == "worker killed":
+    if name == "worker killed, node 1 back":
         nodes[0].said("epoch 1/")
         time.sleep(random.uniform(0, 0.5))  # into its second epoch
         os.kill(workers_of(nodes[1].proc.pid)[0], signal.SIGKILL)
-    elif name == "node 1 back":
-        kill(1, 3)
+        kill(1, 5)
+        nodes.append(nodes[1])
         time.sleep(5)
         nodes[1] = node(1)
-    elif name == "node 0 back twice":
-        for epoch in (3, 8):
-            kill(0, epoch)
-            time.sleep(5)
-            nodes[0] = node(0)
-    elif name == "node 0 back right":  # started again with other options first, twice
+        nodes[0].said("epoch 9/")
+        BLIPS["stop"](hosts[0], 15)  # node 0's machine stopped 15 s, then let go on
+    elif name == "node 0 back twice":  # started again with other options first, twice
         kill(0, 3)
         for wrong in (("--learning-rate", 0.2), ("--n-hidden", 100)):
             refused = node(0, *wrong)
@@ -162,6 +157,9 @@ def returns(name, folder, hosts):
             hosts[0].signal(signal.SIGKILL)
             refused.ended()
             nodes.append(refused)
+        nodes[0] = node(0)
+        kill(0, 8)
+        time.sleep(5)
         nodes[0] = node(0)
     else:  # node 0 lost as node 1 comes back
         kill(1, 3)
@@ -233,94 +231,86 @@ def restarts_said(node):
 
 
 def test_blips_with_restarts_end_as_the_uninterrupted_run(restart_runs):
-    """--max-restarts 5, node 1's cable cut and mended after 3, 5, 6, 8 and
-    12 s in turn: both nodes exit 0, and the checkpoint equals the
-    uninterrupted run's, bit for bit.  A silence under the lost-bound
-    changes nothing (3 s); a longer one is one restart, said on both nodes
-    (5 and 6 s: a silence that TCP's back-off may stretch past the bound)."""
-    counted = [[len(r) for r in node["restarts"]] for node in restart_runs["cuts"]]
-    print(f"restarts counted after each cut, on node 0 and node 1: {counted}")
-    ended_as_the_uninterrupted_run(restart_runs, "cuts")
-    for n, seconds in enumerate(s for _, s in BLIP_RUNS["cuts"][2]):
+    """--max-restarts, node 0's door stopped 8 s, then node 1's cable cut and
+    mended after 3, 5, 6, 8 and 12 s, in turn: both nodes exit 0, and the
+    checkpoint equals the uninterrupted run's, bit for bit.  A silence under
+    the lost-bound changes nothing (3 s); a longer one is one restart, said
+    on both nodes (5 and 6 s: a silence that TCP's back-off may stretch past
+    the bound)."""
+    counted = [[len(r) for r in node["restarts"]] for node in restart_runs["blips"]]
+    print(f"restarts counted after each blip, on node 0 and node 1: {counted}")
+    ended_as_the_uninterrupted_run(restart_runs, "blips")
+    for n, (what, seconds, _) in enumerate(BLIP_RUNS["blips"][2]):
         counts = {node[n] for node in counted}
         assert len(counts) == 1 and counts <= ({0} if seconds < 5 else {1} if seconds > 6
-                                               else {0, 1}), (seconds, counted)
+                                               else {0, 1}), (what, seconds, counted)
 
 
-def test_a_door_stopped_8_s_with_restarts_ends_as_the_uninterrupted_run(restart_runs):
-    ended_as_the_uninterrupted_run(restart_runs, "door")
-    for node in restart_runs["door"]:
-        assert len(node["restarts"][0]) == 1, node["err"]
-
-
-@pytest.mark.parametrize("name", ["cuts, no restarts", "door, no restarts"])
-def test_without_restarts_a_short_blip_changes_nothing_and_a_long_one_ends_both_nodes(
+@pytest.mark.parametrize("name", ["cut 8 s, no restarts", "door 8 s, no restarts"])
+def test_without_restarts_a_long_blip_ends_both_nodes_in_one_line_naming_the_other(
         restart_runs, name):
-    """No --max-restarts: a cut of 3 s changes nothing (no word); one of 8 s,
-    or node 0's door stopped 8 s, ends both nodes, exit 1, in one line each
-    that names the other."""
+    """No --max-restarts: a cut of 8 s, or node 0's door stopped 8 s, ends
+    both nodes, exit 1, in one line each that names the other."""
     node0, node1 = restart_runs["hosts"][name]
     for node, other in zip(restart_runs[name], (f"node 1 ({node1})", f"node 0 ({node0})")):
         assert node["code"] == 1, node["err"]
         assert node["err"].strip().splitlines() == [node["err"].strip()], node["err"]
         assert node["err"].startswith(f"error: {other} lost: not heard from for "), node["err"]
-    said = restart_runs[name][0]["out"]
-    assert f"epoch {2 + 2 * (len(BLIP_RUNS[name][2]) - 1)}/{EPOCHS}" in said, said
 
 
-def test_a_cut_as_the_last_epoch_is_reported_is_no_failure(restart_runs):
-    """The cable cut as node 0 prints its last epoch line: the run is
-    trained and written, so both nodes end exit 0, node 0's summary and
-    checkpoint written, each saying what happened after."""
-    ended_as_the_uninterrupted_run(restart_runs, "cut at the end")
-    summary = json.loads((restart_runs["folder"] / "cut-at-the-end.json").read_text())
+def test_a_short_cut_changes_nothing_and_one_as_the_last_epoch_is_reported_is_no_failure(
+        restart_runs):
+    """No --max-restarts: a cut of 3 s changes nothing (no word); the cable
+    cut 8 s as node 0 prints its last epoch line: the run is trained and
+    written, so both nodes end exit 0, node 0's summary and checkpoint
+    written, each saying only what happened after the last epoch."""
+    name = "cut 3 s, then as the last epoch is reported"
+    ended_as_the_uninterrupted_run(restart_runs, name)
+    for node in restart_runs[name]:
+        assert [len(r) for r in node["restarts"]] == [0, 0]
+        assert all(line.startswith("notice: ") and line.endswith(
+            "after the last epoch was trained and written: the run is finished")
+            for line in node["err"].splitlines()), node["err"]
+    summary = json.loads((restart_runs["folder"] / f"{slug(name)}.json").read_text())
     assert summary["epochs_run"] == EPOCHS
 
 
-def test_a_worker_killed_restarts_both_nodes_and_ends_as_the_uninterrupted_run(restart_runs):
-    """--max-restarts, node 1's worker SIGKILLed at a random moment of the
+def test_a_worker_killed_a_lost_node_1_and_a_stopped_node_0_restart_the_run(restart_runs):
+    """--max-restarts 3, node 1's worker SIGKILLed at a random moment of the
     second epoch: node 0 starts every worker of both nodes again from its
-    last checkpoint, which it sends node 1, each node saying so in one line."""
-    node1 = restart_runs["hosts"]["worker killed"][1]
-    ended_as_the_uninterrupted_run(restart_runs, "worker killed")
-    for node in restart_runs["worker killed"]:
-        said = restarts_said(node)
-        assert len(said) == 1 and said[0].startswith(
-            f"node 1 ({node1}): worker 1 (device cpu) failed: killed by SIGKILL"), node["err"]
-        assert said[0].endswith("(restart 1 of 3)"), said
-
-
-def test_a_lost_node_1_started_again_rejoins(restart_runs):
-    """Node 1's machine killed after node 0's third epoch, its command
-    started again: node 0 says, in one line, that it waits for it; node 1
-    says it is back; one restart each."""
-    lost = restart_runs["hosts"]["node 1 back"][1]
-    ended_as_the_uninterrupted_run(restart_runs, "node 1 back")
-    node0, node1 = restart_runs["node 1 back"]
+    last checkpoint, which it sends node 1, each node saying so in one line;
+    then node 1's machine killed after epoch 5 and its command started
+    again: node 0 says, in one line, that it waits for it, node 1 that it
+    is back; then node 0's machine stopped 15 s: node 1 knocks again as it
+    comes back, and is taken back.  The run ends as the uninterrupted one."""
+    name = "worker killed, node 1 back"
+    node1_address = restart_runs["hosts"][name][1]
+    ended_as_the_uninterrupted_run(restart_runs, name)
+    node0, node1, node1_before = restart_runs[name]
+    said = restarts_said(node0)
+    assert len(said) == 3 and said[2].endswith("(restart 3 of 3)"), node0["err"]
+    assert said[0].startswith(f"node 1 ({node1_address}): worker 1 (device cpu) failed: killed "
+                              "by SIGKILL") and said[0].endswith("(restart 1 of 3)"), said
+    assert said[1].startswith(f"node 1 ({node1_address}) lost: ") and \
+        said[1].endswith("(restart 2 of 3)"), said
+    assert len(restarts_said(node1_before)) == 1, node1_before["err"]
     waits = [line for line in node0["err"].splitlines() if "waiting up to 300 s for node " in line]
-    assert len(waits) == 1 and waits[0].startswith(f"node 1 ({lost}) lost: "), node0["err"]
+    assert len(waits) == 1 and waits[0].startswith(f"node 1 ({node1_address}) lost: "), waits
     assert node1["out"].startswith("node 1 of 2: back in node 0's run at "), node1["out"]
-    assert len(restarts_said(node0)) == 1 and len(restarts_said(node1)) == 1
-
-
-def test_node_0_lost_twice_takes_the_run_back_from_node_1_each_time(restart_runs):
-    """Node 0's machine killed twice, its checkpoint with it: each time its
-    command started again takes the run back from node 1's copy."""
-    ended_as_the_uninterrupted_run(restart_runs, "node 0 back twice")
-    node0, node1 = restart_runs["node 0 back twice"]
-    assert "from node 1's copy of the run's checkpoint at epoch " in node0["err"], node0["err"]
     assert len(restarts_said(node1)) == 2, node1["err"]
 
 
-def test_node_1_keeps_the_run_through_a_node_0_started_with_other_options(restart_runs):
-    """Node 0's machine killed, and its command started again with another
-    learning rate, then another --n-hidden (whose checkpoint is another
-    size): each is refused in one line on both sides, node 1 keeping the
-    run's only checkpoint and knocking again, until node 0 comes back with
-    the run's options and takes the run back."""
-    ended_as_the_uninterrupted_run(restart_runs, "node 0 back right")
-    node0, node1, lr, hidden = restart_runs["node 0 back right"]
-    address = restart_runs["hosts"]["node 0 back right"][1]
+def test_node_1_keeps_the_run_through_node_0_lost_twice_and_given_other_options(restart_runs):
+    """Node 0's machine killed, its checkpoint with it, and its command
+    started again with another learning rate, then another --n-hidden (whose
+    checkpoint is another size): each is refused in one line on both sides,
+    node 1 keeping the run's only checkpoint and knocking again, until node 0
+    comes back with the run's options and takes the run back from node 1's
+    copy; then lost again, and back again the same way."""
+    name = "node 0 back twice"
+    ended_as_the_uninterrupted_run(restart_runs, name)
+    node0, node1, lr, hidden = restart_runs[name]
+    address = restart_runs["hosts"][name][1]
     for wrong, theirs, mine in ((lr, "--learning-rate 0.13", "0.2"),
                                 (hidden, "--n-hidden 500", "100")):
         assert f"node 0: refused node 1 at {address}: it runs other options: {theirs} there, " \
@@ -328,6 +318,8 @@ def test_node_1_keeps_the_run_through_a_node_0_started_with_other_options(restar
     refusals = [line for line in node1["err"].splitlines() if "refused by node 0" in line]
     assert len(refusals) == 2 and all("this node keeps the run's last checkpoint" in line
                                       for line in refusals), node1["err"]
+    assert "from node 1's copy of the run's checkpoint at epoch " in node0["err"], node0["err"]
+    assert len(restarts_said(node1)) == 2, node1["err"]
 
 
 def test_node_0_lost_as_node_1_comes_back_is_knocked_for_again(restart_runs):

@@ -241,3 +241,40 @@ def test_two_nodes_of_one_machine_meet_where_no_other_user_reaches(two_nodes):
     trained(two_nodes)
     assert {os.path.basename(a) for a in two_nodes["coordinator"]} == {"coordinator.sock"}
     assert two_nodes["folder0_mode"] == 0o700
+
+
+def test_node_0s_door_killed_is_named_as_the_doors(no_leftovers):
+    """Node 0's door (its lobby's socket, a process of its own) killed
+    mid-run: node 0 ends in one line naming its door, not the other node;
+    node 1, which hears no more from node 0, names node 0 lost."""
+    import signal
+    from conftest import PACED
+    port = free_port()
+    nodes = [start_node(port, rank, "--epochs", 1000, env=PACED) for rank in (0, 1)]
+    wait_for(lambda: next((line for line in iter(nodes[0].stdout.readline, "")
+                           if line.startswith("epoch 1/")), None), 120, "a first epoch")
+    child_running(nodes[0], "door.py").send_signal(signal.SIGKILL)
+    (code0, _, err0), (code1, _, err1) = (finish(node, timeout=60) for node in nodes)
+    assert code0 == 1 and err0.strip().splitlines() == [err0.strip()], err0
+    assert err0.startswith(f"error: node 0's door, the lobby's socket at 127.0.0.1:{port} (pid "
+                           ) and "ended (killed by SIGKILL): no other node can reach this one" \
+        in err0, err0
+    assert code1 == 1 and err1.startswith("error: node 0 (127.0.0.1) lost: "), err1
+
+
+def test_a_worker_stopped_20_s_in_its_start_on_node_1_is_waited_for(no_leftovers):
+    """--exchange xla across two nodes, node 1's worker stopped (SIGSTOP) for
+    20 s as it starts: the workers meet at the coordinator's barrier within
+    --timeout, not at gloo's 30 s rendezvous (which ended node 0 in a stack
+    trace), and both nodes train and end well."""
+    import signal
+    port = free_port()
+    node0 = start_node(port, 0, "--epochs", 2)
+    node1 = start_node(port, 1, "--epochs", 2, env={"DUAL_MLP_FAULT": "1:start:stop"})
+    worker = wait_for(lambda: next((w for w in workers_of(node1) if w.status() == "stopped"),
+                                   None), 120, "node 1's worker stopped as it starts")
+    time.sleep(20)
+    worker.send_signal(signal.SIGCONT)
+    for node in (node0, node1):
+        code, _, err = finish(node, timeout=120)
+        assert code == 0, err
