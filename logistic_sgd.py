@@ -26,15 +26,17 @@ Run alone, this file trains the model on the demo's data, as the tutorial did::
 """
 import signal
 import sys
+
 if __name__ == "__main__":  # a Ctrl-C while PyTensor loads ends the script, with no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     sys.path.insert(0, __file__.rpartition("/")[0])  # the package, under python -I too
-from multi_gpu import tutorial  # first: THEANO_FLAGS onto PyTensor's flags; data, command line
 import time
 
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
+
+from multi_gpu import tutorial  # first: THEANO_FLAGS onto PyTensor's flags; data, command line
 
 
 class LogisticRegression:
@@ -218,6 +220,7 @@ def main(argv=None):
     return tutorial.run("logistic_sgd.py", lambda: sgd_optimization_mnist(
         args.learning_rate, args.epochs, args.dataset, args.batch_size,
         tutorial.device_from_flags()), args.dataset)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,10 +21,10 @@ Run alone, this file trains one model on one process, as the tutorial did::
 """
 import signal
 import sys
+
 if __name__ == "__main__":  # a Ctrl-C while PyTensor loads ends the script, with no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     sys.path.insert(0, __file__.rpartition("/")[0])  # the package, under python -I too
-from multi_gpu import tutorial  # first: THEANO_FLAGS onto PyTensor's flags; data, command line
 import functools
 import shlex
 import time
@@ -34,6 +34,7 @@ import pytensor
 import pytensor.tensor as pt
 
 from logistic_sgd import LogisticRegression, load_data, minibatch
+from multi_gpu import tutorial  # first: THEANO_FLAGS onto PyTensor's flags; data, command line
 
 
 class HiddenLayer:
@@ -256,6 +257,7 @@ def main(argv=None):
         args.n_hidden, args.seed, args.save, args.json, tutorial.device_from_flags()),
         args.dataset, {"--save": args.save, "--json": args.json},
         parameter_shapes(tutorial.N_PIXELS, args.n_hidden, tutorial.N_CLASSES))
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -29,10 +29,8 @@ import sys
 import tempfile
 
 from bench.common import OUT, measured_by, parse_args, pyplot, record, show
-from bench.compare import K, ONE_GPU, STEPS_PER_CALL, run, summary_of
-
-from multi_gpu import datasets
-from multi_gpu import cli
+from bench.compare import ONE_GPU, STEPS_PER_CALL, K, run, summary_of
+from multi_gpu import cli, datasets
 from multi_gpu.cli import Parser
 
 GLOBAL_BATCH = 200

@@ -81,7 +81,7 @@ def keep_to_one_device(cpu):
         os.environ["JAX_PLATFORMS"] = "cpu"
     else:
         os.environ.update(CUDA_VISIBLE_DEVICES="0", JAX_PLATFORMS="cuda")
-    from multi_gpu import flags  # noqa: F401  (first: float32, as the scripts run)
+    import multi_gpu.flags as flags  # noqa: F401  (first: float32, as the scripts run)
 
 
 def one_device(cpu):

@@ -50,11 +50,22 @@ import time
 
 import numpy as np
 
-from bench.common import (OUT, ROOT, SCRIPT, duration, measured_by, parse_args, pyplot,
-                          rate, rate_unit, record, refuse_busy_gpus, show)
-
-from multi_gpu import datasets
+from bench.common import (
+    OUT,
+    ROOT,
+    SCRIPT,
+    duration,
+    measured_by,
+    parse_args,
+    pyplot,
+    rate,
+    rate_unit,
+    record,
+    refuse_busy_gpus,
+    show,
+)
 from dual_mlp import STEPS_PER_CALL
+from multi_gpu import datasets
 from multi_gpu.cli import Parser
 
 BATCHES = (500, 5000, 20000)

@@ -45,10 +45,8 @@ import tempfile
 
 import numpy as np
 
-from bench.common import (OUT, ROOT, measured_by, parse_args, pyplot, record,
-                          refuse_busy_gpus, show)
+from bench.common import OUT, ROOT, measured_by, parse_args, pyplot, record, refuse_busy_gpus, show
 from multi_gpu.cli import Parser
-
 
 SIZES = [4 << 10 << 2 * k for k in range(10)]  # 4 KB, 16 KB, ... 1 GB: cut to --max-mb
 MLP_BYTES = (784 * 500 + 500 + 500 * 10 + 10) * 4
@@ -113,6 +111,7 @@ def primary_context(drv, index):
 def owner(args):
     """Process 1: holds the source buffer and shares it by CUDA IPC."""
     import pycuda.driver as drv
+
     from dual_mlp import swap
     from multi_gpu.sockets import Peer
     drv.init()
@@ -131,6 +130,7 @@ def owner(args):
 def reader(args):
     """Process 2: opens the owner's buffer and times copies out of it."""
     import pycuda.driver as drv
+
     from dual_mlp import swap
     from multi_gpu.sockets import Peer
     drv.init()
@@ -242,6 +242,7 @@ def replayable(stream, enqueue, times):
     a CUDA graph: a function that replays them on it, as XLA replays the
     training step's kernels, with no host between them."""
     from cuda.bindings import driver as cu
+
     from multi_gpu.stream_exchange import checked
     handle = cu.CUstream(stream.handle)
     checked(cu.cuStreamBeginCapture(handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
@@ -258,6 +259,7 @@ def exchange_worker(args):
     from Python one at a time (the host's rate) and replayed from a CUDA graph
     (the GPU's)."""
     import pycuda.driver as drv
+
     from dual_mlp import barrier, swap_handles
     from multi_gpu.sockets import Peer
     from multi_gpu.stream_exchange import StreamExchange

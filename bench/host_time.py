@@ -24,16 +24,16 @@ import time
 
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")  # one GPU, as a worker sees it
 
-from bench.common import OUT, keep_temporaries_here, prog, record, require_gpus
+import multi_gpu.flags as flags  # noqa: F401  (first: float32, as the scripts run)
 
-from multi_gpu import flags  # noqa: F401  (first: float32, as the scripts run)
 import jax
 import numpy as np
 
 import mlp
-from multi_gpu.devices import JaxDevice, jax_train_step, storage
+from bench.common import OUT, keep_temporaries_here, prog, record, require_gpus
 from logistic_sgd import load_data
 from multi_gpu.cli import Parser
+from multi_gpu.devices import JaxDevice, jax_train_step, storage
 
 
 def measure(call, steps, wait):

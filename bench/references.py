@@ -222,7 +222,8 @@ def jax_trainer(x, y, batch, hyper, steps_per_call=1):
     ``steps_per_call`` steps in each call, the step counter on the devices."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
     jax.config.update("jax_default_matmul_precision", "highest")
     mesh = Mesh(np.array(jax.devices()), ("gpus",))
     world = len(jax.devices())
@@ -277,13 +278,15 @@ def pytensor_trainer(dataset, batch, hyper, steps_per_call=1, written_out=False)
     exchange stands in the GPU-ordered step, so that XLA must write every
     parameter out before the next step, as it must for any exchange
     (``bench.step_cost``)."""
+    import multi_gpu.flags as flags  # noqa: F401  (first: float32, as the scripts run)
+
     import jax
     import jax.numpy as jnp
-    from multi_gpu import flags  # noqa: F401  (first: float32, as the scripts run)
+
     import mlp
+    from logistic_sgd import load_data
     from multi_gpu.devices import JaxDevice, jax_train_step, storage
     from multi_gpu.trainer import repeat
-    from logistic_sgd import load_data
     device = JaxDevice()
     model = mlp.Model(load_data(dataset, put=device.put), batch, learning_rate=hyper.learning_rate,
                       L2_reg=hyper.l2, mode="JAX")
@@ -403,6 +406,7 @@ def ddp(args):
     processes over gloo, as PyTorch runs DDP without GPUs)."""
     import torch
     import torch.multiprocessing as mp
+
     from multi_gpu.nodes import free_port
     world, port = (2 if CPU else torch.cuda.device_count()), free_port()
     queue = mp.get_context("spawn").SimpleQueue()

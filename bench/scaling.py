@@ -20,12 +20,9 @@ import os
 import subprocess
 import tempfile
 
-from bench.common import (OUT, measured_by, parse_args, pyplot, rate, rate_unit, record,
-                          show)
+from bench.common import OUT, measured_by, parse_args, pyplot, rate, rate_unit, record, show
 from bench.compare import Tiles, demo, reference
-
-from multi_gpu import datasets
-from multi_gpu import cli
+from multi_gpu import cli, datasets
 from multi_gpu.cli import Parser
 
 JAX = "JAX jit over a mesh of the same devices"

@@ -43,10 +43,17 @@ import time
 
 import numpy as np
 
-from bench.common import (DEBIAN_FASHION, OUT, keep_to_one_device, measured_by,
-                          one_device, parse_args, record, show)
+from bench.common import (
+    DEBIAN_FASHION,
+    OUT,
+    keep_to_one_device,
+    measured_by,
+    one_device,
+    parse_args,
+    record,
+    show,
+)
 from multi_gpu.cli import Parser
-
 
 TARGET = 1.15  # for the GPU-ordered step
 EVERY = 4      # --average-every of the local-SGD row
@@ -119,8 +126,8 @@ def gpu_ordered_step(model, device, steps_per_call, cpu, average_every=1):
 def world_of_one(cpu):
     """``--exchange xla``'s runtime with this process its only worker (it
     must start before anything else touches JAX)."""
-    from multi_gpu.xla_runtime import XlaExchange
     from multi_gpu.nodes import free_port
+    from multi_gpu.xla_runtime import XlaExchange
     return XlaExchange(f"127.0.0.1:{free_port()}", 1, 0, timeout=60, cpu=cpu, one_machine=True)
 
 

@@ -21,7 +21,6 @@ import os
 import tempfile
 
 from bench.common import OUT, keep_temporaries_here, one_device, record, require_gpus
-
 from multi_gpu import datasets
 from multi_gpu.cli import Parser
 
@@ -70,8 +69,7 @@ def main():
         args.batch, args.steps = 500, min(args.steps, 20)
     device = one_device(args.cpu)
     import mlp
-    from bench import references
-    from bench import step_cost
+    from bench import references, step_cost
     from logistic_sgd import load_data
 
     k = args.steps_per_call

@@ -9,7 +9,8 @@ once it can stop cleanly.  (Before ``main``, while PyTensor loads, each
 script gives SIGINT back its system default, which ends a process without
 a word.)
 """
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import argparse
 import contextlib
 import difflib

@@ -25,7 +25,8 @@ file runs no code), and only regular files are opened (a FIFO would block).
 Run ``python -m multi_gpu.datasets download`` to fetch the full MNIST (checksums
 verified) into ``./mnist.pkl.gz``, which the demo then uses by default.
 """
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import contextlib
 import gzip
 import hashlib

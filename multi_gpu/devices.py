@@ -16,7 +16,8 @@ A PyTensor shared variable holds its array in ``container.storage[0]``.
 back to NumPy, so that data and weights stay on the device: a shared
 variable holding a NumPy array is sent to the GPU again at every call.
 """
-from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags
+import multi_gpu.flags as flags  # first: THEANO_FLAGS onto PyTensor's flags
+
 import functools
 import importlib.util
 import json

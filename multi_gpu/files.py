@@ -16,7 +16,8 @@ An output (a checkpoint, a summary) is written into a temporary file of
 this process's own beside it and renamed into place once complete
 (``atomic_write``): a crash leaves the previous file as it was.
 """
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import contextlib
 import errno
 import math

@@ -6,7 +6,8 @@ checkpoint write.  ``fault_point`` is the fault tests' hook,
 ``DUAL_MLP_FAULT=RANK:WHERE:HOW``, which the launcher shares: a worker, or
 the launcher, fails or pauses where a real run can.
 """
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import os
 import re
 import signal

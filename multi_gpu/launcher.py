@@ -7,7 +7,8 @@ SIGKILL after two seconds), and a failed one names the line of its output
 that says what went wrong.  ``supervisor.py`` runs the run's life with
 them; ``worker.py`` is the other side of the process boundary.
 """
-from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags, before PyTensor
+import multi_gpu.flags as flags  # first: THEANO_FLAGS onto PyTensor's flags, before PyTensor
+
 import collections
 import contextlib
 import ctypes

@@ -31,10 +31,17 @@ import zmq
 from multi_gpu import cli, door, files, records
 from multi_gpu.cli import UsageError
 from multi_gpu.member import Member, send_or_drop
-from multi_gpu.nodes import (Alone, Heartbeats, Standing, check_port, curve_keys, host_and_port,
-                             run_secret)
+from multi_gpu.nodes import (
+    Alone,
+    Heartbeats,
+    NodeState,
+    Standing,
+    check_port,
+    curve_keys,
+    host_and_port,
+    run_secret,
+)
 from multi_gpu.resume import differences
-
 
 # bytes: a node's options fit many times over; one that comes back to a run adds the run's
 # checkpoint, in base64
@@ -80,10 +87,12 @@ class Admission:
             self.members[identity] = Standing(rank, address, self.listened, self.generation)
             self.identities[rank] = identity
             theirs = self.announced(rank, address, kept)
-            # back: it waits for the order to start again, or takes the one given
+            # back: it takes the order node 0's workers run now, or waits for the next (none
+            # where node 0 waits for it: that order's workers are gone)
+            current = self.last_order if self.standing is NodeState.RUNNING else None
             self.answer(frames, {"why": None, "jax_coordinator": self.jax_coordinator,
                                  "run": self.run, "back": back, "send_kept": theirs,
-                                 "order": self.last_order if back else None})
+                                 "order": current if back else None})
 
     def judge(self, visitor):
         """Why a visitor may not join, in its words, or (in its words, in node
@@ -273,7 +282,6 @@ class Orders:
         with self.lock:
             self.last_order = order
             self.outbox.append(json.dumps({"restart": order}).encode())
-
 
 
 class Lobby(Admission, Roll, Orders, Heartbeats):

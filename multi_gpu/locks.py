@@ -3,7 +3,8 @@ second run asking for the same output finds taken and is refused by, so that
 no run writes over another live run's checkpoint or summary; and the room
 for each set aside before the run starts (``hold``).
 """
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import argparse
 import contextlib
 import errno
@@ -15,7 +16,6 @@ import tempfile
 
 from multi_gpu import cli, files
 from multi_gpu.records import CheckpointError
-
 
 LOCK_TAG = b"dual_mlp lock, pid "  # what a lock file this demo made starts with
 

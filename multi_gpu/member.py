@@ -20,8 +20,14 @@ import zmq
 from multi_gpu import cli
 from multi_gpu.cli import UsageError
 from multi_gpu.hooks import stopping
-from multi_gpu.nodes import (LOST_AFTER, SECRET_VARIABLE, Heartbeats, Standing, curve_keys,
-                             host_and_port)
+from multi_gpu.nodes import (
+    LOST_AFTER,
+    SECRET_VARIABLE,
+    Heartbeats,
+    Standing,
+    curve_keys,
+    host_and_port,
+)
 
 
 def hello(node_rank, options, kept=None):

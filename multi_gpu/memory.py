@@ -6,7 +6,8 @@ machine is full: ``memory_problem`` says so in one line first, from what
 Linux tells of the machine (``/proc/meminfo``), of each memory cgroup this
 process is in (v1 and v2) and of its own address space.
 """
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import math
 import os
 import resource
@@ -34,7 +35,6 @@ def memory_problem(shapes, workers=1, data_values=0):
             (", or fewer workers" if workers > 1 else ""))
 
 
-
 def available_memory():
     """Bytes this process may still take, or None where nothing tells: the
     machine's available memory, or less where a container's limit (a memory
@@ -51,7 +51,6 @@ def available_memory():
     return max(0, available)
 
 
-
 def address_space_left():
     """Bytes this process may still map under its ``ulimit -v`` (RLIMIT_AS),
     or None where it has none."""
@@ -61,7 +60,6 @@ def address_space_left():
     return None if mapped is None else limit - mapped
 
 
-
 def proc_bytes(path, key):
     """The bytes a line ``KEY: N kB`` of Linux's ``path`` gives, or None."""
     try:
@@ -69,7 +67,6 @@ def proc_bytes(path, key):
             return next(int(line.split()[1]) << 10 for line in f if line.startswith(key + ":"))
     except (OSError, StopIteration, ValueError):
         return None
-
 
 
 def cgroup_headrooms():
@@ -98,7 +95,6 @@ def cgroup_headrooms():
             if folder == root:
                 break
             folder = os.path.dirname(folder)
-
 
 
 def headroom(folder, limit, use):

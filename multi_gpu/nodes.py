@@ -293,6 +293,7 @@ class Heartbeats(NotNode0):
         brings it back; done)."""
         with self.lock:
             self.mine, self.sent = beat(state, why, final, self.generation), False
+            self.standing = state
 
     def restart(self, generation):
         """The run starts again: every node stands anew, heard from now."""

@@ -14,7 +14,8 @@ Shared by ``mlp.py`` (one process) and ``dual_mlp.py`` (its worker 0).
 * The learning curve: one ``epoch_record`` per epoch.
 * The summary: one JSON document per run (``--json``), written atomically.
 """
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import datetime
 import functools
 import io
@@ -30,8 +31,8 @@ import zipfile
 import numpy as np
 
 from multi_gpu import cli, datasets, files
-from multi_gpu.transports import Layout
 from multi_gpu.hooks import fault_point
+from multi_gpu.transports import Layout
 
 
 class CheckpointError(Exception):

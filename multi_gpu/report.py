@@ -1,6 +1,7 @@
 """Worker 0's words: the compile heartbeat's text, a run that diverged, the
 closing lines and the ``--json`` summary of ``dual_mlp.py``."""
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import os
 import platform
 
@@ -145,4 +146,3 @@ def timeline(args, tracer, rundir, trainer, device, say):
         + (f" and {picture}" if picture else "") + " (open the JSON in ui.perfetto.dev)")
     if "device_clock" in tracer.about:
         say(f"... the devices' tracks: the kernel's own stamps, {tracer.about['device_clock']}")
-

@@ -5,7 +5,8 @@ the exchange, its ordering and its average by the devices at hand).
 ``check_request`` is the one call; ``launcher.py`` then runs what it let
 through.
 """
-from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags, before PyTensor
+import multi_gpu.flags as flags  # first: THEANO_FLAGS onto PyTensor's flags, before PyTensor
+
 import argparse
 import dataclasses
 import itertools
@@ -21,10 +22,10 @@ from multi_gpu import cli, datasets, lobby, locks, member, memory, records, xla_
 from multi_gpu.cli import UsageError
 from multi_gpu.devices import peer_access, usable_gpus
 from multi_gpu.files import NoRunFolder, private_coordinator, run_folder
+from multi_gpu.hooks import fault_spec_problem
 from multi_gpu.nodes import check_port, free_port, host_and_port, on_loopback
 from multi_gpu.resume import TRAINED_WITH, check_resume
 from multi_gpu.trainer import steps_per_epoch
-from multi_gpu.hooks import fault_spec_problem
 
 
 def check_device_names(requested, nodes):

@@ -6,7 +6,8 @@ resumes (``restart_point``: this run's last checkpoint; ``follow``: node
 the options that shape the training (``TRAINED_WITH``); a resumed run must
 be given the same, but for the learning rate.
 """
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import base64
 import dataclasses
 

@@ -7,7 +7,8 @@ two signals; ``dual_mlp.py`` makes every call on them (``barrier``,
 ``swap``, ``wait_for_worker``).  What is here: the sockets, and how long a
 wait may last (``Peer.overdue``).
 """
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import os
 import sys
 import time

@@ -104,6 +104,7 @@ objects, while XLA hands the callback a raw stream handle.  PyCUDA compiles
 the kernel, allocates the buffers and opens the IPC handles.
 """
 import multi_gpu.flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import ctypes
 import os
 
@@ -187,7 +188,6 @@ def slot_floats(n):
     """Floats in one send slot: the weights, rounded up to 128 bytes so that
     both slots start aligned."""
     return -(-n // 32) * 32
-
 
 
 KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_exchange.cu")

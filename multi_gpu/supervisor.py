@@ -43,12 +43,20 @@ import time
 
 from multi_gpu import cli, files, records
 from multi_gpu.cli import UsageError
+from multi_gpu.files import NoRunFolder, private_coordinator, run_folder
 from multi_gpu.hooks import fault_point, request_stop, stopping
-from multi_gpu.launcher import (by_cause, fork_workers, leave_the_request, position,
-                                stall_patience, stop, unkillable, Worker)
+from multi_gpu.launcher import (
+    Worker,
+    by_cause,
+    fork_workers,
+    leave_the_request,
+    position,
+    stall_patience,
+    stop,
+    unkillable,
+)
 from multi_gpu.member import NoAnswer
 from multi_gpu.nodes import LOST_AFTER, NodeState, free_port, host_and_port
-from multi_gpu.files import NoRunFolder, private_coordinator, run_folder
 from multi_gpu.resume import follow, restart_point, taken
 
 
@@ -102,8 +110,8 @@ class Supervisor:
     def __init__(self, plan, shapes, start, rundir, link):
         self.plan, self.shapes, self.start_worker = plan, shapes, start
         self.rundir, self.link, self.member = rundir, link, bool(plan.node_rank)
-        self.outcome, self.restarting, self.workers = Outcome(1), None, []
-        self.launch = contextlib.ExitStack()  # the run folder, while its workers run
+        self.outcome, self.workers, self.made = Outcome(1), [], False
+        self.launch = contextlib.ExitStack()  # the workers and their folder, while they run
 
     def run(self):
         """The run's life, a branch per state; returns the exit code."""
@@ -201,11 +209,10 @@ class Supervisor:
             stalled = [w for w, code in zip(workers, codes)
                        if code is None and w.stalled(self.rundir, patience, woke)]
             verdict, order = link.verdict(), link.ordered()
-            again = order or link.kept_by_others() or link.came_back()
-            if again:  # node 0 starts the run again: a node failed, or came back
+            kept, back = link.kept_by_others(), link.came_back()
+            if order or kept or back:  # the run starts again: a node failed, or came back
                 left = stop(workers)
-                why = order["why"] if order else again if isinstance(again, str) else \
-                    f"{again['who']} kept the run"
+                why = order["why"] if order else back or f"{kept['who']} kept the run"
                 return self.ended(Outcome(1, f"{why}{unkillable(left)}"))
             if failed or stalled or verdict:
                 outcome = self.what_failed(failed, stalled, verdict, patience)

@@ -21,7 +21,8 @@ with the GPU's clock (``%globaltimer``, ns) into a ring in host memory
 (``stream_exchange.cu``: block 0 of the kernel, whose 128 blocks each do
 the same), and ``DeviceClock`` puts those stamps on the host's clock.
 """
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import collections
 import contextlib
 import functools

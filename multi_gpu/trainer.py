@@ -17,7 +17,8 @@
     ``--average-every H``: which steps end on an average, and a compiled call
     of K steps as rounds of H - 1 steps of a worker's own and one that averages.
 """
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import collections
 import functools
 import operator

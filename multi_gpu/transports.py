@@ -8,7 +8,8 @@ peer copies, mapped files on CPUs) are in ``dual_mlp.py``;
 ``stream_exchange.py`` holds the GPU-ordered exchange (``--sync gpu``),
 ``xla_runtime.py`` the exchange inside XLA (``--exchange xla``).
 """
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import os
 
 import numpy as np

@@ -16,7 +16,8 @@ Imported before PyTensor, it maps ``THEANO_FLAGS`` onto PyTensor's flags
   ``write_json_or_show``; ``check_finite``, which stops a run that diverged before
   it writes anything.
 """
-from multi_gpu import flags  # first: THEANO_FLAGS onto PyTensor's flags
+import multi_gpu.flags as flags  # first: THEANO_FLAGS onto PyTensor's flags
+
 import importlib.metadata
 import os
 import shutil
@@ -24,11 +25,18 @@ import sys
 import tempfile
 
 from multi_gpu import cli, datasets, devices, locks, memory, records
-from multi_gpu.cli import (backend_name, heartbeat, non_negative, positive,  # noqa: F401
-                           positive_int, quiet_start_up, seed, writable)
+from multi_gpu.cli import (  # noqa: F401
+    backend_name,
+    heartbeat,
+    non_negative,
+    positive,
+    positive_int,
+    quiet_start_up,
+    seed,
+    writable,
+)
 from multi_gpu.datasets import N_CLASSES, N_PIXELS, DatasetError, read, resolve  # noqa: F401
-from multi_gpu.records import (epoch_record, run_header, save_checkpoint,  # noqa: F401
-                               write_json_or_show)
+from multi_gpu.records import epoch_record, run_header, save_checkpoint, write_json_or_show  # noqa: F401
 from multi_gpu.report import Diverged, check_finite, compiling  # noqa: F401
 
 parser, add_model_options = cli.tutorial_parser, cli.add_model_options

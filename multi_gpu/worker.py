@@ -7,7 +7,8 @@ worker can end into an exit code and at most one line.  A signal only sets
 and the ``Watchdog`` ends it where it cannot notice (inside a call into XLA,
 behind a GPU that waits on a peer that is gone).
 """
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import contextlib
 import ctypes
 import json
@@ -20,7 +21,6 @@ import threading
 import time
 import traceback
 import types
-
 
 from multi_gpu import cli, files
 from multi_gpu.hooks import fault_point, request_stop, stopping
@@ -108,7 +108,6 @@ class Watchdog:
                 print(f"worker {self.rank}: error: no step finished within {self.timeout:g} s: "
                       f"{who} (see --timeout)", file=sys.stderr, flush=True)
                 quit_now(1)
-
 
     def finished(self):
         """Trained and written: what follows is the exit, whose heartbeat its
@@ -242,8 +241,6 @@ def release_stdout():
     if FORWARD:
         os.close(1)  # the pipe's last writer: the thread reads to its end
         FORWARD.join(timeout=2)
-
-
 
 
 def the_request(rundir):

@@ -6,7 +6,8 @@ A second run loads its programs instead of compiling them
 (``every_cpu_process_keeps_its_programs``); a program with a Python
 callback in it is compiled without the cache (``not_kept``).
 """
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import collections
 import contextlib
 import os
@@ -19,16 +20,13 @@ def jax_cache_folder():
     return os.path.join(pytensor.config.base_compiledir, "jax_cache")
 
 
-
 # what XLA's persistent cache did in this process: programs it served ("hits"),
 # programs it had not ("misses", compiled then), and the seconds its reads took
 CACHE = collections.Counter()
 
 
-
 CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hits",
                 "/jax/compilation_cache/cache_misses": "misses"}
-
 
 
 def keep_compiled_programs(jax):
@@ -55,9 +53,7 @@ def keep_compiled_programs(jax):
         CACHE_PROBLEM = every_cpu_process_keeps_its_programs(jax)
 
 
-
 CACHE_PROBLEM = None  # why not every CPU process keeps its own programs, where they do not
-
 
 
 def cache_problem():
@@ -67,7 +63,6 @@ def cache_problem():
         return None
     from jax._src import distributed
     return CACHE_PROBLEM if distributed.global_state.client is not None else None
-
 
 
 def cache_writer_problem(jax):
@@ -86,7 +81,6 @@ def cache_writer_problem(jax):
     return (f"JAX {jax.__version__}'s private jax._src.compiler._cache_write is not the "
             "writer this demo wraps: under --exchange xla on CPUs every worker but the first "
             "compiles its programs again on every run")
-
 
 
 def every_cpu_process_keeps_its_programs(jax):
@@ -120,7 +114,6 @@ def every_cpu_process_keeps_its_programs(jax):
             warnings.warn(f"XLA's cache kept no copy of {module_name}: {e}", stacklevel=2)
     compiler._cache_write = own_programs_too
     return None
-
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ with NCCL between GPUs or gloo between CPUs, inside the compiled step.
 Several machines, or GPUs past two.  ``XlaExchange`` starts the runtime
 and compiles over it; ``XlaOrdered`` is ``dual_mlp.py``'s step inside it.
 """
-from multi_gpu import flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
+
 import contextlib
 import functools
 import importlib.metadata

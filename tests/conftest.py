@@ -144,6 +144,7 @@ def refused(capsys, *args, name="dual_mlp.py", typed=False):
     if typed:
         return script(name, *args, timeout=60)
     import importlib
+
     from multi_gpu import cli
     main = importlib.import_module(name.removesuffix(".py")).main
     handlers = {s: signal.getsignal(s) for s in (*cli.STOP_SIGNALS, signal.SIGPIPE)}
@@ -512,4 +513,3 @@ def assert_identical_checkpoints(path, other, state=("epoch",)):
         np.testing.assert_array_equal(a, b)
     mine.pop("run", None), theirs.pop("run", None)
     assert mine == theirs
-

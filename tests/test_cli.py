@@ -16,9 +16,22 @@ import numpy as np
 import pytest
 
 import mlp
+from conftest import (
+    LAUNCHERS,
+    PACED,
+    ROOT,
+    SHAPES,
+    dual,
+    environment,
+    finish,
+    interrupted,
+    mlp_one_epoch,
+    refused,
+    script,
+    start_checkpointing,
+    wait_for,
+)
 from multi_gpu import cli, records
-from conftest import (LAUNCHERS, PACED, SHAPES, ROOT, dual, environment, finish, interrupted,
-                      mlp_one_epoch, refused, script, start_checkpointing, wait_for)
 
 
 @contextlib.contextmanager

@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from multi_gpu import datasets
 from conftest import FASHION, corrupt_cases, idx_folder, splits
+from multi_gpu import datasets
 
 
 class Python2Pickler(pickle._Pickler):

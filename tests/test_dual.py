@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import mlp
+from conftest import FASHION, SHAPES, dual, mlp_one_epoch, script
 from logistic_sgd import load_data
 from multi_gpu import datasets, records
-from conftest import FASHION, SHAPES, dual, mlp_one_epoch, script
 
 
 def load(path):
@@ -173,4 +173,3 @@ def test_a_cpu_runs_phases_add_up_to_its_step_under_the_compiled_average(tmp_pat
     out = dual("cpu", "cpu", "--avg", "theano", "--epochs", 4, "--json", tmp_path / "run.json")
     assert out.returncode == 0, out.stderr
     phases_add_up(json.loads((tmp_path / "run.json").read_text())["step_us"])
-

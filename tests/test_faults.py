@@ -9,11 +9,26 @@ import time
 import numpy as np
 import pytest
 
+from conftest import (
+    PACED,
+    SHAPES,
+    assert_identical_checkpoints,
+    corrupt_cases,
+    dual,
+    finish,
+    interrupted,
+    kill_one_worker,
+    refused,
+    run_directories,
+    run_once,
+    start_checkpointing,
+    start_dual,
+    two_epochs,
+    wait_for,
+    wait_until_training,
+    workers_of,
+)
 from multi_gpu import files, records
-from conftest import (PACED, SHAPES, assert_identical_checkpoints, corrupt_cases, dual, finish,
-                      interrupted, kill_one_worker, refused, run_directories, run_once,
-                      start_checkpointing, start_dual, two_epochs, wait_for, wait_until_training,
-                      workers_of)
 from multi_gpu.devices import usable_gpus
 
 

@@ -11,11 +11,23 @@ import time
 import numpy as np
 import pytest
 
+from conftest import (
+    FASHION,
+    ROOT,
+    SHAPES,
+    dual,
+    finish,
+    interrupted,
+    kill_one_worker,
+    script,
+    start_checkpointing,
+    start_dual,
+    wait_until_training,
+    workers_of,
+)
 from multi_gpu import records, trace
-from conftest import (FASHION, ROOT, SHAPES, dual, finish, interrupted, kill_one_worker,
-                      script, start_checkpointing, start_dual, wait_until_training, workers_of)
-from multi_gpu.launcher import worker_environment
 from multi_gpu.devices import usable_gpus
+from multi_gpu.launcher import worker_environment
 
 N_GPUS = usable_gpus()[0]
 pytestmark = [pytest.mark.gpu,

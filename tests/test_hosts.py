@@ -18,10 +18,17 @@ import time
 
 import pytest
 
-from bench.testhosts import FAULTS, NODE0_FAULTS, hosts_on_a_bridge, two_nodes, why_no_test_hosts
 from bench.lost_node import node0_lost, stopped_after, strike
-from conftest import (PACED, assert_identical_checkpoints, finish, made_once, run_directories,
-                      start_dual, wait_for)
+from bench.testhosts import FAULTS, NODE0_FAULTS, hosts_on_a_bridge, two_nodes, why_no_test_hosts
+from conftest import (
+    PACED,
+    assert_identical_checkpoints,
+    finish,
+    made_once,
+    run_directories,
+    start_dual,
+    wait_for,
+)
 
 pytestmark = pytest.mark.skipif(bool(why_no_test_hosts()), reason=str(why_no_test_hosts()))
 
@@ -55,6 +62,7 @@ def readme_commands(hosts):
     host: its address for 10.0.0.1, its interface for eth0; node 1's secret
     is the one node 0 prints (``run_secret``).  [(environment, arguments)]"""
     import re
+
     from conftest import ROOT
     text = (ROOT / "README.md").read_text()
     block = re.search(r"# machine A \(10\.0\.0\.1\).*?```", text, re.S).group(0)
@@ -195,8 +203,8 @@ def test_a_lost_node_is_named_by_the_other_soon(host_runs, fault):
     one line of at most 300 characters that names node 1 and its address,
     the epoch and step, the checkpoint and the command that resumes; nothing
     it prints reads as a crash; its checkpoint is intact."""
-    from multi_gpu import records
     from conftest import SHAPES
+    from multi_gpu import records
     seen, node1 = host_runs[fault], host_runs["hosts"][fault][1]
     print(f"{fault}: node 0 stopped {seen['took']:.1f} s after it struck: {seen['err']}")
     assert seen["code"] == 1 and seen["took"] < STOPS_WITHIN_S

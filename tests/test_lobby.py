@@ -15,8 +15,15 @@ import zmq
 from bench.lobby import measure
 from multi_gpu import door, files
 from multi_gpu.member import hello, send_or_drop
-from multi_gpu.nodes import (BEAT_S, LOST_AFTER, Heartbeats, NodeState, Standing, curve_keys,
-                             free_port)
+from multi_gpu.nodes import (
+    BEAT_S,
+    LOST_AFTER,
+    Heartbeats,
+    NodeState,
+    Standing,
+    curve_keys,
+    free_port,
+)
 
 
 def test_node_0_lets_256_members_in_hears_them_all_and_takes_a_lost_one_back():

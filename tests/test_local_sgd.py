@@ -7,8 +7,8 @@ import pytensor.tensor as pt
 import pytest
 
 import mlp
-from multi_gpu import datasets, records
 from conftest import SHAPES, assert_identical_checkpoints, dual, refused
+from multi_gpu import datasets, records
 
 LEARNING_RATE, L2, BATCH = 0.13, 0.0001, 100  # the demo's defaults on the shipped digits
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from bench.testhosts import why_no_test_hosts
 from bench.many_hosts import measure
+from bench.testhosts import why_no_test_hosts
 from conftest import ROOT, made_once
 
 pytestmark = pytest.mark.skipif(bool(why_no_test_hosts()), reason=str(why_no_test_hosts()))

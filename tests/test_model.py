@@ -1,10 +1,11 @@
 """The tutorial's model, in-process: gradients, and both PyTensor backends."""
+import multi_gpu.flags as theano_flags  # first: PyTensor's flags
+
 import contextlib
 import shutil
 import subprocess
 import types
 
-from multi_gpu import flags as theano_flags  # first: PyTensor's flags
 import numpy as np
 import pytensor
 import pytensor.tensor as pt

@@ -10,8 +10,8 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 import textwrap
+import time
 
 import pytest
 

@@ -17,6 +17,7 @@ uninterrupted one, and each test looks at what one of them did:
   Each ends as the uninterrupted run, bit for bit.
 """
 import concurrent.futures
+import functools
 import json
 import os
 import random
@@ -31,21 +32,23 @@ import pytest
 from bench.lost_node import workers_of
 from bench.testhosts import BLIPS, hosts_on_a_bridge, two_nodes, why_no_test_hosts
 from conftest import PACED, assert_identical_checkpoints, made_once, run_directories, start_dual
+from multi_gpu.nodes import LOST_AFTER
 
 pytestmark = pytest.mark.skipif(bool(why_no_test_hosts()), reason=str(why_no_test_hosts()))
 
-EPOCHS = 14
+EPOCHS = 48  # enough for every blip of a run to strike mid-run, each once the last has settled
 # a door stopped leaves the workers training (their sockets are their own): a run whose
 # door stops is paced to outlast it
 SLOWER = {"DUAL_MLP_FAULT": "0:train:slow=0.5"}
-# name: (--max-restarts, the pace, its blips in turn: (what, seconds, after node 0's epoch))
+# name: (--max-restarts, the pace, its blips in turn: (what, seconds)); the first strikes
+# once node 0 has reported its second epoch, each next at its next epoch once the last has
+# settled; where the last is "at the end", as node 0 reports its last epoch
 BLIP_RUNS = {
-    "blips": (6, SLOWER, [("door", 8, 2), ("cut", 3, 4), ("cut", 5, 6), ("cut", 6, 8),
-                          ("cut", 8, 10), ("cut", 12, 12)]),
-    "cut 8 s, no restarts": (0, PACED, [("cut", 8, 2)]),
-    "door 8 s, no restarts": (0, SLOWER, [("door", 8, 2)]),
-    "cut 3 s, then as the last epoch is reported": (0, PACED, [("cut", 3, 2),
-                                                               ("cut", 8, EPOCHS)]),
+    "blips": (6, SLOWER, [("door", 8), ("cut", 3), ("cut", 5), ("cut", 6), ("cut", 8),
+                          ("cut", 12)]),
+    "cut 8 s, no restarts": (0, PACED, [("cut", 8)]),
+    "door 8 s, no restarts": (0, SLOWER, [("door", 8)]),
+    "cut 3 s, then as the last epoch is reported": (0, PACED, [("cut", 3), ("cut", 8)]),
 }
 RETURNS = ("worker killed, node 1 back", "node 0 back twice", "node 0 lost as node 1 comes back")
 
@@ -87,6 +90,19 @@ class Node:
             time.sleep(0.05)
         raise AssertionError(f"node {self.rank} never said {start!r}: {self.text('err')}")
 
+    def said_after(self, matches, since, timeout=180):
+        """Wait for a line of its output that ``matches``, printed after
+        ``since`` (monotonic seconds); False where the launcher ends first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(t > since and matches(line) for t, line in self.out):
+                return True
+            if self.proc.poll() is not None and self.proc.stdout.closed:
+                return False
+            time.sleep(0.05)
+        raise AssertionError(f"node {self.rank}: no such line after {timeout} s: "
+                             f"{self.text('err')}")
+
     def text(self, stream="out"):
         return "".join(line for _, line in getattr(self, stream))
 
@@ -110,20 +126,36 @@ def blips(name, folder, hosts):
     restarts, pace, strikes = BLIP_RUNS[name]
     nodes = [Node(folder, hosts, rank, name, "--max-restarts", restarts, env=pace)
              for rank in (0, 1)]
-    struck, read = [], 0
-    while len(struck) < len(strikes) and (nodes[0].proc.poll() is None or read < len(
-            nodes[0].out)):
-        if read == len(nodes[0].out):
-            time.sleep(0.05)
-            continue
-        line, read = nodes[0].out[read][1], read + 1
-        if not line.startswith("epoch "):
-            continue
-        what, seconds, after = strikes[len(struck)]
-        if int(line.split()[1].split("/")[0]) >= after:
-            struck.append(time.monotonic())
-            BLIPS[what](hosts[1] if what == "cut" else hosts[0], seconds)
+    struck = []
+    for n, (what, seconds) in enumerate(strikes):
+        at_the_end = name.endswith("as the last epoch is reported") and n == len(strikes) - 1
+        if not nodes[0].said_after(functools.partial(reported, EPOCHS if at_the_end else 2),
+                                   settled(nodes[0], struck)):
+            break  # the run ended
+        struck.append(time.monotonic())
+        BLIPS[what](hosts[1] if what == "cut" else hosts[0], seconds)
     return nodes, struck
+
+
+def reported(epoch, line):
+    """Is ``line`` node 0's line of an epoch past ``epoch`` - 1?"""
+    return line.startswith("epoch ") and int(line.split()[1].split("/")[0]) >= epoch
+
+
+def settled(node0, struck):
+    """When node 0 has shown what the last blip did (monotonic seconds): a
+    silence is named after ``LOST_AFTER`` s, and a restart, where there is
+    one, has its workers training again."""
+    if not struck:
+        return 0.0
+    since = time.monotonic()
+    time.sleep(LOST_AFTER + 2)
+    restarted = [t for t, line in node0.err if t > struck[-1]
+                 and "restarting every worker" in line]
+    if restarted:
+        node0.said_after(lambda line: line.startswith("... training"), restarted[-1])
+    return max(since, *(t for t, line in node0.out if line.startswith("... training")
+                        and t > struck[-1]), 0.0)
 
 
 def returns(name, folder, hosts):
@@ -240,7 +272,8 @@ def test_blips_with_restarts_end_as_the_uninterrupted_run(restart_runs):
     counted = [[len(r) for r in node["restarts"]] for node in restart_runs["blips"]]
     print(f"restarts counted after each blip, on node 0 and node 1: {counted}")
     ended_as_the_uninterrupted_run(restart_runs, "blips")
-    for n, (what, seconds, _) in enumerate(BLIP_RUNS["blips"][2]):
+    assert len(counted[0]) == len(BLIP_RUNS["blips"][2]), counted  # each struck mid-run
+    for n, (what, seconds) in enumerate(BLIP_RUNS["blips"][2]):
         counts = {node[n] for node in counted}
         assert len(counts) == 1 and counts <= ({0} if seconds < 5 else {1} if seconds > 6
                                                else {0, 1}), (what, seconds, counted)

@@ -21,10 +21,24 @@ import numpy as np
 import psutil
 import pytest
 
+from conftest import (
+    PACED,
+    ROOT,
+    as_a_terminal_starts,
+    child_running,
+    dual,
+    environment,
+    finish,
+    leftover_workers,
+    mlp_one_epoch,
+    run_directories,
+    script,
+    start_dual,
+    wait_for,
+    wait_until_training,
+    workers_of,
+)
 from multi_gpu import datasets
-from conftest import (PACED, ROOT, as_a_terminal_starts, child_running, dual, environment, finish,
-                      leftover_workers, mlp_one_epoch, run_directories, script, start_dual,
-                      wait_for, wait_until_training, workers_of)
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups, mounts)")
 

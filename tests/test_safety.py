@@ -16,12 +16,31 @@ import numpy as np
 import psutil
 import pytest
 
-from multi_gpu import cli, datasets, records
+from conftest import (
+    LAUNCHERS,
+    PACED,
+    ROOT,
+    SHAPES,
+    TOKEN,
+    dual,
+    environment,
+    finish,
+    interrupted,
+    kill_one_worker,
+    leftover_workers,
+    refused,
+    run_directories,
+    script,
+    start_checkpointing,
+    start_dual,
+    start_node,
+    two_epochs,
+    wait_for,
+    wait_until_training,
+    workers_of,
+)
 from conftest import splits as conftest_splits
-from conftest import (LAUNCHERS, PACED, ROOT, SHAPES, TOKEN, dual, environment, finish, interrupted,
-                      kill_one_worker, leftover_workers, run_directories, script,
-                      refused, start_checkpointing, start_dual, start_node, two_epochs, wait_for,
-                      wait_until_training, workers_of)
+from multi_gpu import cli, datasets, records
 from multi_gpu.nodes import free_port
 
 

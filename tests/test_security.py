@@ -3,10 +3,10 @@
 node 0's lobby or at JAX's coordinator (on 127.0.0.1 only), data that only
 looks the same."""
 import hashlib
-import re
 import os
-import signal
+import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -14,9 +14,20 @@ import numpy as np
 import psutil
 import pytest
 
+from conftest import (
+    PACED,
+    SECRET,
+    SHAPES,
+    dual,
+    finish,
+    leftover_workers,
+    refused,
+    run_folder_of,
+    start_dual,
+    wait_for,
+    workers_of,
+)
 from multi_gpu import datasets, files, records
-from conftest import (PACED, SECRET, SHAPES, dual, finish, leftover_workers, refused, start_dual,
-                      run_folder_of, wait_for, workers_of)
 from multi_gpu.nodes import free_port
 
 NOBODY = 65534

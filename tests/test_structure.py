@@ -125,9 +125,11 @@ def test_the_constraints_pin_every_requirement_on_every_python_ci_tests():
 
 
 def test_ruff_finds_nothing_anywhere():
-    """pyflakes, pycodestyle at the project's line length, bugbear, and no
-    function past a McCabe complexity of 10 (ruff.toml), on every file; no
-    cache left in the clone."""
+    """pyflakes, pycodestyle at the project's line length, bugbear, no
+    function past a McCabe complexity of 10, the imports in isort's order
+    (PyTensor's flags first), and the format: PEP 8's indentation,
+    whitespace and blank lines (ruff.toml), on every file; no cache left in
+    the clone."""
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -153,6 +155,7 @@ def test_nothing_assigns_to_the_parsed_options_and_the_runs_life_is_named():
     launch and how a restart goes are named records."""
     import dataclasses
     import enum
+
     from multi_gpu import nodes, request, supervisor
     for path in [ROOT / "dual_mlp.py", *(ROOT / "multi_gpu").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):

@@ -219,6 +219,7 @@ def test_the_trace_starts_at_the_second_epoch_a_run_trains(resumed, epochs, wind
     """A run resumed at epoch 3 for --epochs 5 traces its fifth (the second
     it trains), and is never refused for a --trace-from nobody gave."""
     import argparse
+
     from multi_gpu import request
     args = argparse.Namespace(trace="t.json", trace_from=None, trace_steps=None,
                               resume_epoch=resumed, epochs=epochs)

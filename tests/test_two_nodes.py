@@ -12,8 +12,18 @@ import psutil
 import pytest
 import zmq
 
-from conftest import (SECRET, child_running, finish, leftover_workers, made_once, run_directories,
-                      run_folder_of, start_node, wait_for, workers_of)
+from conftest import (
+    SECRET,
+    child_running,
+    finish,
+    leftover_workers,
+    made_once,
+    run_directories,
+    run_folder_of,
+    start_node,
+    wait_for,
+    workers_of,
+)
 from multi_gpu.nodes import curve_keys, free_port
 
 TWO = ("cpu", "cpu")  # the devices of each node: four workers in all
@@ -248,6 +258,7 @@ def test_node_0s_door_killed_is_named_as_the_doors(no_leftovers):
     mid-run: node 0 ends in one line naming its door, not the other node;
     node 1, which hears no more from node 0, names node 0 lost."""
     import signal
+
     from conftest import PACED
     port = free_port()
     nodes = [start_node(port, rank, "--epochs", 1000, env=PACED) for rank in (0, 1)]

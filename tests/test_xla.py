@@ -13,10 +13,26 @@ import numpy as np
 import psutil
 import pytest
 
+from conftest import (
+    PACED,
+    SHAPES,
+    assert_identical_checkpoints,
+    child_running,
+    dual,
+    finish,
+    kill_one_worker,
+    leftover_workers,
+    refused,
+    run_directories,
+    run_once,
+    start_dual,
+    start_node,
+    two_epochs,
+    wait_for,
+    wait_until_training,
+    workers_of,
+)
 from multi_gpu import records, xla_runtime
-from conftest import (PACED, SHAPES, assert_identical_checkpoints, child_running, dual, finish,
-                      kill_one_worker, leftover_workers, refused, run_directories, run_once,
-                      start_dual, start_node, two_epochs, wait_for, wait_until_training, workers_of)
 from multi_gpu.nodes import free_port
 
 
@@ -120,6 +136,7 @@ def test_this_jax_lets_every_cpu_worker_keep_its_own_programs():
     knows it (JAX 0.10 to 0.12): on another JAX this fails, and a run says
     what it loses in its "compiled" line."""
     import jax
+
     from multi_gpu import xla_cache
     assert xla_cache.cache_writer_problem(jax) is None
 
