@@ -276,9 +276,10 @@ def drop_folders_of_dead_runs(parent):
 
 def run_folder(args, shapes):
     """Where the run's private folder for its sockets, buffers and heartbeats
-    will be (``launch`` makes it): in shared memory where it has room for
-    them, else on disk; named after this launcher, so that nobody mistakes
-    it for another run's, and unguessable.  Dead runs' folders there go."""
+    will be (``Supervisor.start`` makes it): in shared memory where it has
+    room for them, else on disk; named after this launcher, so that nobody
+    mistakes it for another run's, and unguessable.  Dead runs' folders
+    there go."""
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     for parent in {shm, tempfile.gettempdir()} - {None}:
         drop_folders_of_dead_runs(parent)

@@ -2,8 +2,8 @@
 could get wrong is refused in one line (``UsageError``; the caller exits
 2), and what it leaves to the hardware is chosen here (``check_exchange``:
 the exchange, its ordering and its average by the devices at hand).
-``check_request`` is the one call; ``launcher.py`` then runs what it let
-through.
+``check_request`` is the one call: it makes the run's ``Plan``, frozen,
+which ``supervisor.py`` then runs.
 """
 import multi_gpu.flags as flags  # first: THEANO_FLAGS onto PyTensor's flags, before PyTensor
 
@@ -374,7 +374,7 @@ def check_request(args, shapes, *, command, batch_size, shipped_batch_size, step
     draft.dataset, notice = datasets.resolve(draft.dataset)
     notices.append(notice)
     check_outputs(draft)
-    # read once and checked: the workers train on this very copy (``launch``)
+    # read once and checked: the workers train on this very copy (``leave_the_request``)
     splits = draft.checked_data = datasets.read_checked(draft.dataset)
     n_train = len(splits[0][0])
     if draft.batch_size is None:
