@@ -371,3 +371,34 @@ def test_a_worker_still_compiling_past_the_timeout_is_waited_for(no_leftovers):
     assert out.returncode == 0, out.stderr
     assert out.stderr.count(f"worker 0: notice: worker 1 is still compiling after {timeout} s: "
                             "the handshake waits for it") == 1, out.stderr
+
+
+def test_node_0_started_again_takes_the_newest_kept_copy_that_checks_out(capsys):
+    """Node 0 started again, the others' copies of the run's checkpoint:
+    one that does not check out (truncated, at a later epoch than the good
+    one) is said and left; the next newest that checks out is taken, and
+    the plan resumes from it, as the run it names."""
+    import base64
+    import types
+
+    import dual_mlp
+    from multi_gpu import request, supervisor
+    raw = (two_epochs() / "m.npz").read_bytes()
+    run, epoch = records.written_by("m.npz", SHAPES, raw)
+    plan, _ = request.check_request(
+        dual_mlp.parse_args(["cpu", "cpu", "--epochs", "4"]), SHAPES, command="python dual_mlp.py",
+        batch_size=dual_mlp.BATCH_SIZE, shipped_batch_size=dual_mlp.SHIPPED_BATCH_SIZE,
+        steps_per_call=dual_mlp.STEPS_PER_CALL, epochs=dual_mlp.EPOCHS, choices=dual_mlp.CHOICES)
+    copies = [dict(who="node 2 (10.0.0.3)", rank=2, run=run, generation=0, epoch=epoch + 1,
+                   checkpoint=base64.b64encode(raw[:len(raw) // 2]).decode()),
+              dict(who="node 1 (10.0.0.2)", rank=1, run=run, generation=0, epoch=epoch,
+                   checkpoint=base64.b64encode(raw).decode())]
+    adopted = []
+    link = types.SimpleNamespace(kept_by_others=lambda every: copies, adopt=adopted.append)
+    resumed, words = supervisor.adopt(plan, SHAPES, link)
+    assert words == f"from node 1's copy of the run's checkpoint at epoch {epoch}"
+    assert resumed.run_id == run and resumed.resume_epoch == epoch and adopted == [run]
+    assert resumed.checked_resume == raw and plan.resume is None  # a new plan; the old as it was
+    said = capsys.readouterr().err
+    assert said.startswith("node 0: node 2 (10.0.0.3) kept the run, but ") and \
+        said.rstrip().endswith(": its copy is not taken"), said
