@@ -43,6 +43,9 @@ def hello(node_rank, options, kept=None):
     return json.dumps(dict(node_rank=node_rank, options=options, kept=kept)).encode()
 
 
+KNOCK_S = 10.0  # seconds a knock waits for node 0's answer before it is made again
+
+
 class NoAnswer(Exception):
     """Node 0 never answered: a run that did not happen (the launcher exits 1)."""
 
@@ -99,20 +102,25 @@ class Member(Heartbeats):
     def rejoin(self, timeout):
         """Node 0 was lost: knock again at its address, with what this node
         kept of the run, until node 0 (started again, or back) lets it in,
-        for at most ``timeout`` s (NoAnswer).  A refusal ends the wait
+        for at most ``timeout`` s (NoAnswer).  A knock unanswered for
+        ``KNOCK_S`` is made again, on a new connection (a node 0 lost again as
+        it was knocked at took the knock with it).  A refusal ends the wait
         (UsageError), unless this node keeps the run's last checkpoint, which
         must not go with it: it says why, once, and knocks again."""
         self.stop_beating()
         deadline, refused = time.monotonic() + timeout, None
         while True:
+            left = deadline - time.monotonic()
             try:
-                return self.join(max(0.0, deadline - time.monotonic()),
+                return self.join(max(0.0, min(left, KNOCK_S)),
                                  dict(self.kept or {}, run=self.run, generation=self.generation))
             except NoAnswer:
+                if left > KNOCK_S:
+                    continue
                 if refused:
                     raise NoAnswer(f"node 0 did not let it in within {timeout:g} s "
                                    f"(--rejoin-timeout): {refused}") from None
-                raise
+                raise NoAnswer(f"node 0 did not come back within {timeout:g} s") from None
             except UsageError as e:
                 if stopping.is_set() or not (self.kept and self.kept.get("checkpoint")):
                     raise
