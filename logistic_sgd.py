@@ -30,13 +30,13 @@ import sys
 if __name__ == "__main__":  # a Ctrl-C while PyTensor loads ends the script, with no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     sys.path.insert(0, __file__.rpartition("/")[0])  # the package, under python -I too
+import multi_gpu.tutorial as tutorial  # first: THEANO_FLAGS onto PyTensor's flags; data; options
+
 import time
 
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
-
-from multi_gpu import tutorial  # first: THEANO_FLAGS onto PyTensor's flags; data, command line
 
 
 class LogisticRegression:

@@ -25,6 +25,8 @@ import sys
 if __name__ == "__main__":  # a Ctrl-C while PyTensor loads ends the script, with no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     sys.path.insert(0, __file__.rpartition("/")[0])  # the package, under python -I too
+import multi_gpu.tutorial as tutorial  # first: THEANO_FLAGS onto PyTensor's flags; data; options
+
 import functools
 import shlex
 import time
@@ -34,7 +36,6 @@ import pytensor
 import pytensor.tensor as pt
 
 from logistic_sgd import LogisticRegression, load_data, minibatch
-from multi_gpu import tutorial  # first: THEANO_FLAGS onto PyTensor's flags; data, command line
 
 
 class HiddenLayer:
