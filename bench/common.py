@@ -132,28 +132,32 @@ DEBIAN_FASHION = "/usr/share/datasets/fashion-mnist"  # apt install dataset-fash
 
 
 def as_typed(document):
-    """The command that wrote ``document``, as it is typed from the root of
-    a fresh clone to write it again: ``python -m bench.NAME`` (older scripts
-    ran as files), Fashion-MNIST at the path Debian's package gives it (the
-    runs read a copy of those files), and ``--out`` the folder the results
-    file lies in."""
+    """The command that wrote ``document``, as a newcomer types it from the
+    root of a fresh clone to measure it again: ``python -m bench.NAME``
+    (older scripts ran as files), Fashion-MNIST at the path Debian's package
+    gives it (the runs read a copy of those files), and no ``--out`` where it
+    named the committed results' folder: typed, it writes into ``out/``,
+    which git ignores, and leaves the clone as it was."""
     words = shlex.split(document["command"])
     if len(words) > 1 and re.fullmatch(r"bench/\w+\.py", words[1]):
         words[1:2] = ["-m", "bench." + words[1][len("bench/"):-len(".py")]]
     for i, word in enumerate(words[:-1]):
         if word == "--dataset" and "fashion" in words[i + 1].lower():
             words[i + 1] = DEBIAN_FASHION
-        if word == "--out" and not os.path.isabs(document.get("source", "/")):
-            words[i + 1] = os.path.dirname(document["source"])
+    if "--out" in words[:-1]:
+        at = words.index("--out")
+        del words[at:at + 2]
     return shlex.join(words)
 
 
 def measured_by(document):
     """The start of every table's first line: the command, the date, the
-    commit where it was recorded, the results file."""
+    commit where it was recorded, the results file (``--out`` its folder,
+    a maintainer's refresh, which rewrites the README tables too)."""
     at = f" at commit {document['commit']}" if document.get("commit") else ""
+    source = document.get("source", "?")
     return (f"Measured by `{as_typed(document)}` on {document['date'][:10]}{at}, "
-            f"`{document.get('source', '?')}`")
+            f"kept with `--out {os.path.dirname(source)}` in `{source}`")
 
 
 def dual_mlp(*args, json_path, env=None):
