@@ -36,6 +36,7 @@ HANDSHAKE_MS = 5000  # a connection that has not proved itself by then is droppe
 ALL_SAID = b"all said"  # the lobby's word, after its last words, that they were all
 BYE = b"."  # the launcher's, before it closes the door's input: it closed the lobby
 LAST_WORDS_S = 5.0  # at most, for the lobby's last words after its BYE (a busy machine)
+DENIED = b'{"denied": true}'  # to the lobby: a knock's handshake failed
 
 
 class OnlyTheRun:
@@ -112,13 +113,20 @@ def relay(door, lobby, launcher):
     this process by another way than the pipe, go out first, up to the
     lobby's ALL_SAID (a machine so busy that they come seconds later still
     sends them); a launcher killed says nothing, and what it said is passed
-    on within 0.2 s."""
+    on within 0.2 s.  A handshake that failed (a knock without the run's
+    secret: its key does not open the door's) goes to the lobby as ``DENIED``."""
     poller = zmq.Poller()
     for socket in (door, lobby, launcher):
         poller.register(socket, zmq.POLLIN)
+    failed = door.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    poller.register(failed, zmq.POLLIN)
     passing = Relay(door, lobby)
     while True:
         events = dict(poller.poll(100 if passing.for_lobby else None))
+        if failed in events:  # the lobby says it (zmq knows not whose: the address is the door's)
+            failed.recv_multipart()
+            passing.for_lobby.append([b"", b"", DENIED])
         passing.flush()
         if door in events:
             pass_on(door, passing.to_lobby)

@@ -32,6 +32,7 @@ from multi_gpu import cli, door, files, records
 from multi_gpu.cli import UsageError
 from multi_gpu.member import Member, send_or_drop
 from multi_gpu.nodes import (
+    SECRET_VARIABLE,
     Alone,
     Heartbeats,
     NodeState,
@@ -47,6 +48,9 @@ from multi_gpu.resume import differences
 # checkpoint, in base64
 LOBBY_MESSAGE_LIMIT = 1 << 16
 WAITING_SAID_S = 15            # node 0 says whom it waits for this often
+WITHOUT_THE_SECRET = ("it does not hold this run's secret: a node of another run, or of the run "
+                      "this node 0 was started again for without that run's secret (then start "
+                      f"it again with it, in {SECRET_VARIABLE} or --secret-file)")
 
 
 class Admission:
@@ -121,11 +125,11 @@ class Admission:
     def say_refused(self, address, visitor, why):
         """Node 0 says, once for each node and reason, whom it refused and why."""
         said = (address, why)
-        if said not in self.refusals:
+        if said not in self.refusals and len(self.refusals) < 1000:  # a flood says a little
             self.refusals.add(said)
             rank = visitor.get("node_rank") if isinstance(visitor, dict) else None
             who = f"node {rank}" if type(rank) is int else "a node"
-            cli.say(f"node 0: refused {who} at {address}: {why}")
+            cli.say(f"node 0: refused {who}{f' at {address}' if address else ''}: {why}")
 
     def drop_lost(self, rank):
         """Forget the lost member of ``rank``, if any (it came back)."""
@@ -362,6 +366,8 @@ class Lobby(Admission, Roll, Orders, Heartbeats):
 
     def received(self, frames):
         identity, message = frames[0].bytes, json.loads(frames[-1].bytes)
+        if identity == b"" and message.get("denied"):  # the door's word: its handshake failed
+            return self.say_refused(None, None, WITHOUT_THE_SECRET)
         if identity in self.members and "kept" in message:  # the checkpoint it announced
             return self.received_kept(self.members[identity], message["kept"])
         if identity in self.members:  # a member's heartbeat

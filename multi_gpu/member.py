@@ -82,7 +82,7 @@ class Member(Heartbeats):
             try:
                 member.connect(f"tcp://{self.address}")
                 member.send_multipart([b"", hello(self.node_rank, self.options, kept)])
-                answer = self.answer_of(member, monitor, self.address, timeout)
+                answer = self.answer_of(member, monitor, self.address, timeout, kept)
             finally:
                 member.disable_monitor()
                 monitor.close()
@@ -135,13 +135,16 @@ class Member(Heartbeats):
                 time.sleep(1.0)
 
     @staticmethod
-    def answer_of(member, monitor, address, timeout):
+    def answer_of(member, monitor, address, timeout, kept):
+        """Node 0's answer to a knock (``kept``: from a node coming back)."""
         deadline = time.monotonic() + timeout
         while not member.poll(100):
             if monitor.poll(0):
-                raise UsageError(f"refused by node 0 at {address}: the handshake failed: this "
-                                 "node does not hold the run's secret (give it the one node 0 "
-                                 f"printed, in {SECRET_VARIABLE} or --secret-file)")
+                raise UsageError(f"refused by node 0 at {address}: the handshake failed: " + (
+                    "node 0 there does not hold this run's secret (node 0 started again needs "
+                    f"it: in {SECRET_VARIABLE} or --secret-file on its command)" if kept else
+                    "this node does not hold the run's secret (give it the one node 0 printed, "
+                    f"in {SECRET_VARIABLE} or --secret-file)"))
             if stopping.is_set():
                 raise UsageError("interrupted while waiting for node 0")
             if time.monotonic() > deadline:

@@ -97,7 +97,8 @@ def run_secret(args):
         raise UsageError(f"node {args.node_rank} needs the run's secret: start it with "
                          f"{SECRET_VARIABLE}=<the secret node 0 printed> or --secret-file FILE")
     secret = secrets.token_urlsafe(24)
-    return secret, (f"the run's secret, which the other nodes must be given: {SECRET_VARIABLE}="
+    return secret, (f"the run's secret, which the other nodes must be given, and this one if it "
+                    f"is started again: {SECRET_VARIABLE}="
                     f"{secret} (in their environment, or in a file of mode 600 named by "
                     "--secret-file), never on a command line")
 

@@ -182,14 +182,19 @@ def written_by(path, shapes, raw=None):
     return state.get("run"), state["epoch"]
 
 
-def replaced_checkpoint(save, resume, shapes):
+def replaced_checkpoint(save, resume, shapes, node0_again=False):
     """A notice where ``save`` holds a file a new run will replace: another
-    run's checkpoint (that it resumes from aside), or something else."""
+    run's checkpoint (that it resumes from aside), or something else.  On a
+    node 0 that may be this run's started again (``node0_again``), the
+    checkpoint may be this run's own: the others keep the run, and say."""
     if not (save and os.path.lexists(save)) or (resume and cli.same_file(save, resume)):
         return None
     _, epoch = written_by(save, shapes)
     held = "a file that is not a checkpoint of this model" if epoch is None else \
         f"another run's checkpoint (epoch {epoch})"
+    if node0_again and epoch is not None:
+        held = (f"a checkpoint (epoch {epoch}) of an earlier run, or of this one before this "
+                "node 0 was lost (then the other nodes bring the run back)")
     return (f"notice: --save {save} holds {held}: this run replaces it at the end of its first "
             "epoch, and a restart takes only this run's own")
 

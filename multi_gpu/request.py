@@ -403,7 +403,8 @@ def check_request(args, shapes, *, command, batch_size, shipped_batch_size, step
     draft.trained_with["epochs"] = draft.epochs  # recorded, for a --resume without --epochs
     # the run's name, in each checkpoint it writes: a restart takes only its own run's
     draft.run_id = secrets.token_hex(8)
-    notices.append(records.replaced_checkpoint(draft.save, draft.resume, shapes))
+    node0_again = draft.nodes > 1 and draft.node_rank == 0 and draft.max_restarts > 0
+    notices.append(records.replaced_checkpoint(draft.save, draft.resume, shapes, node0_again))
     notices += check_trace(draft, steps_per_epoch(n_train // draft.batch_size, world))
     draft.local_workers, draft.platform = len(draft.devices), "gpu" if gpus else "cpu"
     draft.run_options = {k: draft.trained_with[k] if k in TRAINED_WITH else getattr(draft, k)

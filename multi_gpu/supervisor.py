@@ -56,7 +56,7 @@ from multi_gpu.launcher import (
     unkillable,
 )
 from multi_gpu.member import NoAnswer
-from multi_gpu.nodes import LOST_AFTER, NodeState, free_port, host_and_port
+from multi_gpu.nodes import LOST_AFTER, SECRET_VARIABLE, NodeState, free_port, host_and_port
 from multi_gpu.resume import follow, restart_point, taken
 
 
@@ -308,7 +308,8 @@ class Supervisor:
         if self.member:
             cli.say(f"{why}: waiting up to {plan.rejoin_timeout:g} s for node 0 to come back "
                     f"at {plan.coordinator} (its command again, there or on a replacement "
-                    "machine at that address, with the run's secret)", file=sys.stderr)
+                    f"machine at that address, with the run's secret in {SECRET_VARIABLE} or "
+                    "--secret-file)", file=sys.stderr)
             try:
                 link.rejoin(plan.rejoin_timeout)
             except NoAnswer as e:

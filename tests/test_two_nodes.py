@@ -6,6 +6,7 @@ import json
 import os
 import resource
 import socket
+import threading
 import time
 
 import psutil
@@ -289,3 +290,52 @@ def test_a_worker_stopped_20_s_in_its_start_on_node_1_is_waited_for(no_leftovers
     for node in (node0, node1):
         code, _, err = finish(node, timeout=120)
         assert code == 0, err
+
+
+def test_node_0_started_again_without_the_runs_secret_is_told_so_on_both_sides(no_leftovers,
+                                                                                tmp_path):
+    """Node 0 killed and started again with its command as typed, which
+    holds no secret (node 0 makes a new one): node 1, which keeps the run's
+    last checkpoint, names the secret node 0 lacks and knocks on; node 0
+    names the knock it turned away, and does not call its checkpoint
+    another run's.  Node 0 started once more, with the
+    run's secret: the run goes on and both end well."""
+    import signal
+
+    from conftest import PACED
+    port = free_port()
+    same = ("--epochs", 6, "--max-restarts", 1, "--rejoin-timeout", 120)
+
+    def node0(secret):
+        return start_node(port, 0, *same, "--save", tmp_path / "ck.npz", cwd=tmp_path,
+                          env=dict(PACED, DUAL_MLP_SECRET=secret))
+
+    first, node1, heard = node0(SECRET), start_node(port, 1, *same), []
+    hearing = threading.Thread(target=lambda: heard.extend(iter(node1.stderr.readline, "")))
+    hearing.start()
+    wait_for(lambda: next((line for line in iter(first.stdout.readline, "")
+                           if line.startswith("epoch 2/")), None), 120, "a second epoch")
+    os.killpg(first.pid, signal.SIGKILL)
+    first.communicate()
+    secretless, said = node0(""), []
+    refused = wait_for(lambda: next((line for line in iter(secretless.stdout.readline, "")
+                                     if said.append(line) or "refused" in line), None), 120,
+                       "a knock refused")
+    assert f"notice: --save {tmp_path / 'ck.npz'} holds a checkpoint (epoch 2) of an earlier " \
+        "run, or of this one before this node 0 was lost" in "".join(said), said
+    assert refused.startswith("node 0: refused a node: it does not hold this run's "
+                              "secret: "), refused
+    assert "DUAL_MLP_SECRET or --secret-file" in refused, refused
+    wait_for(lambda: "this node keeps the run's last checkpoint" in "".join(heard), 120,
+             "node 1 refused")
+    os.killpg(secretless.pid, signal.SIGKILL)
+    secretless.communicate()
+    last = node0(SECRET)
+    (code0, _, err0), (code1, _, _) = (finish(node, timeout=240) for node in (last, node1))
+    hearing.join()
+    err1 = "".join(heard)
+    assert code0 == 0 and code1 == 0, (err0, err1)
+    assert "the run's secret in DUAL_MLP_SECRET or --secret-file)" in err1, err1
+    assert "the handshake failed: node 0 there does not hold this run's secret (node 0 started " \
+        "again needs it: in DUAL_MLP_SECRET or --secret-file on its command); this node keeps " \
+        "the run's last checkpoint" in err1, err1
