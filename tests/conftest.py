@@ -167,21 +167,23 @@ def start_dual(*args, env=None, cwd=ROOT, mine=True, host=None):
     as one of the tests' runs (else as a run of someone else's); ``host``:
     in that test host (``bench.testhosts.Host``), with gloo on its interface."""
     env = environment(env) if mine else dict(os.environ, **(env or {}))
-    command = [sys.executable, str(ROOT / "dual_mlp.py"), *map(str, args)]
+    command = [sys.executable, "-c", AS_FROM_A_TERMINAL, str(ROOT / "dual_mlp.py"),
+               *map(str, args)]
     proc = subprocess.Popen(host.runs(command) if host else command,
                             cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=as_from_a_terminal)
+                            stderr=subprocess.PIPE, start_new_session=True)
     STARTED.append(proc)
     if mine:
         LAUNCHERS.add(proc.pid)
     return proc
 
 
-def as_from_a_terminal():
-    """A run's SIGHUP as a terminal's shell leaves it, though the tests run
-    under nohup (as CI's may): the launcher keeps a SIGHUP it finds ignored."""
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+# A run's SIGHUP as a terminal's shell leaves it, though the tests run under nohup (as CI's
+# may): the launcher keeps a SIGHUP it finds ignored.  Set in a Python that then becomes the
+# run (exec: the same process), not in a preexec_fn: Python code between fork and exec, in
+# a process where JAX's threads run, may deadlock (JAX warns of each such fork).
+AS_FROM_A_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+                      "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
 
 
 SECRET = "a secret of the tests' own runs"  # what their nodes share (DUAL_MLP_SECRET)
