@@ -21,17 +21,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")  # the committed ones, which the READMEs cite
 OUT = os.path.join(ROOT, "out")  # a user's, by default: git ignores it
 STARTED = time.monotonic()  # the benchmark's start, near enough: it imports this first
+LOAD_AT_START = os.getloadavg()[0]  # what else ran here as it started (1 minute's average)
 SCRIPT = os.path.basename(sys.argv[0])  # the benchmark that runs, for its messages: accuracy.py
 
 
 def machine():
-    """The GPUs (nvidia-smi) and their link matrix, or the CPU where there is none."""
+    """The CPU and the cores this process may use; the GPUs (nvidia-smi) and
+    their link matrix."""
     def ask(*cmd):
         try:
             return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
         except OSError:
             return None
     return dict(host=platform.node(), cpu=platform.processor() or platform.machine(),
+                cores=len(os.sched_getaffinity(0)),
                 python=platform.python_version(), gpus=ask("nvidia-smi", "-L"),
                 topology=ask("nvidia-smi", "topo", "-m"),
                 driver=ask("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"))
@@ -105,13 +108,16 @@ def invocation():
 
 def record(name, out_dir, **results):
     """Write ``<out_dir>/<name>.json`` with the date, machine, commit and command
-    line, and the seconds the benchmark has run so far (what its command costs)."""
+    line, the seconds the benchmark has run so far (what its command costs),
+    and the machine's load (1 minute's average) as it started and now."""
     from multi_gpu.records import code_commit, write_json
     os.makedirs(out_dir, exist_ok=True)
     document = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     command=shlex.join(["python", *invocation(), *sys.argv[1:]]),
                     commit=code_commit(), machine=machine(),
-                    wall_s=round(time.monotonic() - STARTED, 1), **results)
+                    wall_s=round(time.monotonic() - STARTED, 1),
+                    load=dict(start=round(LOAD_AT_START, 2), end=round(os.getloadavg()[0], 2)),
+                    **results)
     path = os.path.join(out_dir, f"{name}.json")
     write_json(path, document)  # whole, or the file as it was
     print(f"wrote {path}")

@@ -219,7 +219,14 @@ def summary(document):
             f"lost, within {slowest(0):.1f} s; a killed node started again trained after "
             f"{back[1]['training_again_after_s']:.1f} s (node 1), "
             f"{back[0]['training_again_after_s']:.1f} s (node 0), all ending exit "
-            f"{' or '.join(map(str, codes))}.")
+            f"{' or '.join(map(str, codes))}{under_load(document)}.")
+
+
+def under_load(document):
+    """Where the figures were taken: the machine's cores and load (an older
+    record, without it, says nothing)."""
+    load, cores = document.get("load"), document["machine"].get("cores")
+    return f", {cores} cores at load {load['start']:.1f} as it started" if load and cores else ""
 
 
 def main():

@@ -72,7 +72,14 @@ class Admission:
         self.returned = {}  # rank -> the words of a member of this run that came back
 
     def knocked(self, frames, message):
-        """A knock: let in, or refused in one line (and said, once)."""
+        """A knock: let in, or refused in one line (and said, once); or the
+        word of a node whose own command was refused (``member.cannot_start``)."""
+        if isinstance(message, dict) and isinstance(message.get("cannot_start"), str):
+            rank = message.get("node_rank")
+            self.say_once(f"node 0: node {rank if type(rank) is int else '?'} at "
+                          f"{frames[1].bytes.decode()} cannot start: its command was refused "
+                          f"there: {message['cannot_start'][:300]}")
+            return self.answer(frames, {"why": None, "heard": True})
         why, address = self.judge(message), frames[1].bytes.decode()  # as the door saw it
         if why:
             theirs, mine = why if isinstance(why, tuple) else (why, why)
@@ -124,12 +131,14 @@ class Admission:
 
     def say_refused(self, address, visitor, why):
         """Node 0 says, once for each node and reason, whom it refused and why."""
-        said = (address, why)
-        if said not in self.refusals and len(self.refusals) < 1000:  # a flood says a little
-            self.refusals.add(said)
-            rank = visitor.get("node_rank") if isinstance(visitor, dict) else None
-            who = f"node {rank}" if type(rank) is int else "a node"
-            cli.say(f"node 0: refused {who}{f' at {address}' if address else ''}: {why}")
+        rank = visitor.get("node_rank") if isinstance(visitor, dict) else None
+        who = f"node {rank}" if type(rank) is int else "a node"
+        self.say_once(f"node 0: refused {who}{f' at {address}' if address else ''}: {why}")
+
+    def say_once(self, line):
+        if line not in self.refusals and len(self.refusals) < 1000:  # a flood says a little
+            self.refusals.add(line)
+            cli.say(line)
 
     def drop_lost(self, rank):
         """Forget the lost member of ``rank``, if any (it came back)."""

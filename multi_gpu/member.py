@@ -27,6 +27,7 @@ from multi_gpu.nodes import (
     Standing,
     curve_keys,
     host_and_port,
+    run_secret,
 )
 
 
@@ -44,6 +45,31 @@ def hello(node_rank, options, kept=None):
 
 
 KNOCK_S = 10.0  # seconds a knock waits for node 0's answer before it is made again
+TOLD_S = 2.0    # seconds a node whose command was refused gives node 0 to hear why
+
+
+def cannot_start(args, why):
+    """Node ``args.node_rank`` > 0, its own command refused (``why``), tells
+    node 0 so where it can (the run's secret at hand, node 0 listening), for
+    up to ``TOLD_S`` s: node 0 says it at once, instead of waiting out
+    --timeout for a node that is not coming."""
+    if not (args.nodes > 1 and args.node_rank > 0):
+        return
+    context = zmq.Context()
+    try:
+        public, private = curve_keys(run_secret(args)[0])
+        member = context.socket(zmq.DEALER)
+        member.curve_serverkey, member.curve_publickey, member.curve_secretkey = public, public, \
+            private
+        member.setsockopt(zmq.LINGER, 0)
+        member.connect(f"tcp://{args.coordinator}")
+        member.send_multipart([b"", json.dumps(dict(node_rank=args.node_rank,
+                                                    cannot_start=why)).encode()])
+        member.poll(TOLD_S * 1000)
+    except (UsageError, zmq.ZMQError, ValueError, TypeError):
+        pass  # no secret, no address: node 0 cannot be told, and the line here says why
+    finally:
+        context.destroy(linger=0)
 
 
 class NoAnswer(Exception):

@@ -458,6 +458,7 @@ def prepare(args, shapes, run, **defaults):
     folder named, JAX's coordinator placed, the other nodes met; and what it
     has to say, said: node 0 speaks for the run, every other node says that
     it joined.  Returns it ``Prepared``."""
+    meeting = False
     try:
         plan, notices = check_request(args, shapes, **defaults)
         run.enter_context(locks.hold(plan.save, plan.json, plan.trace,
@@ -466,6 +467,7 @@ def prepare(args, shapes, run, **defaults):
         rundir, folder_notice = run_folder(plan, shapes)
         if plan.exchange == "xla" and not plan.jax_coordinator and not plan.node_rank:
             plan = dataclasses.replace(plan, jax_coordinator=private_coordinator(rundir))
+        meeting = True  # from here on, node 0 hears from this node itself
         link, notice = lobby.meet(plan, shapes, run)
         if plan.node_rank:  # node 0 told it where JAX's coordinator is, and the run's name
             plan = dataclasses.replace(plan, jax_coordinator=link.jax_coordinator,
@@ -473,6 +475,8 @@ def prepare(args, shapes, run, **defaults):
         notices.append(notice)
     except (UsageError, NoRunFolder, datasets.DatasetError, records.CheckpointError,
             member.NoAnswer) as e:
+        if not meeting:  # this node's own command refused: node 0 is told, not left waiting
+            member.cannot_start(args, str(e))
         cli.say(f"dual_mlp.py: error: {e}", file=sys.stderr)
         raise SystemExit(1 if isinstance(e, member.NoAnswer) else 2) from None
     for said in notices + [folder_notice] if plan.node_rank == 0 else [notice]:

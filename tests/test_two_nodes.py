@@ -147,6 +147,9 @@ def meet_and_train(folder):
         for env in ({"DUAL_MLP_SECRET": "another secret, long enough"}, {"DUAL_MLP_SECRET": ""}):
             stranger = start_node(port, 1, *same, devices=TWO, env=env)
             seen["refused"].append(finish(stranger, timeout=60))
+        seen["cannot_start"] = finish(start_node(port, 1, *same, "--save", folder / "n1.npz",
+                                                 devices=TWO, env={"DUAL_MLP_SECRET": secret}),
+                                      timeout=60)
         unchecked = [a for a in same if a != "--check"]  # node 0 only: both would wait for ever
         seen["refused"].append(finish(start_node(port, 1, *unchecked, devices=TWO,
                                                  env={"DUAL_MLP_SECRET": secret}), timeout=60))
@@ -161,6 +164,7 @@ def meet_and_train(folder):
                                        "JAX's coordinator on node 0's worker 0")
         seen["folder0_mode"] = os.stat(folder0).st_mode & 0o777
         seen["nodes"] = [finish(node, timeout=300) for node in (node0, node1)]
+        seen["said0"] = node0.out
     finally:
         for s in idle:
             s.close()
@@ -193,6 +197,18 @@ def test_only_a_node_holding_the_runs_secret_gets_in_and_a_stranger_learns_nothi
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert words.format(port=two_nodes["port"]) in err, err
     assert len(two_nodes["refused"]) == 3
+    trained(two_nodes)
+
+
+def test_a_node_whose_own_command_is_refused_tells_node_0_at_once(two_nodes):
+    """Node 1 given --save (node 0's alone): it ends in one line, exit 2,
+    and node 0, waiting for it, says why at once (it went on waiting, and
+    the run's node 1 joined later)."""
+    code, seconds, err = two_nodes["cannot_start"]
+    why = "--save: node 0 keeps the run's checkpoint and summary; give it to node 0 only"
+    assert code == 2 and err.strip() == f"dual_mlp.py: error: {why}", err
+    assert f"node 0: node 1 at 127.0.0.1 cannot start: its command was refused there: {why}\n" \
+        in two_nodes["said0"], two_nodes["said0"]
     trained(two_nodes)
 
 
