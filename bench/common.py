@@ -177,6 +177,18 @@ def dual_mlp(*args, json_path, env=None):
         return json.load(f)
 
 
+def needed(name, requirements="requirements-test.txt"):
+    """The module ``name``, or, where it is not installed, one line that says
+    which requirements bring it, and exit 2 (a benchmark, not a traceback)."""
+    import importlib
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        print(f"{prog()}: error: it needs {name}, which is not installed: pip install -r "
+              f"{requirements}", file=sys.stderr)
+        sys.exit(2)
+
+
 def pyplot():
     """matplotlib's pyplot for a plot, or None, said in one line, where it
     is not installed: the figures are in the JSON all the same."""

@@ -22,14 +22,15 @@ import secrets
 import sys
 import time
 
-import psutil
 import zmq
 
-from bench.common import OUT, measured_by, parse_args, record, show
+from bench.common import OUT, measured_by, needed, parse_args, record, show
 from multi_gpu.cli import Parser, positive_int
 from multi_gpu.lobby import Lobby
 from multi_gpu.member import hello
 from multi_gpu.nodes import BEAT_S, LOST_AFTER, beat, curve_keys, free_port
+
+psutil = needed("psutil")  # the test requirements', not the demo's
 
 OPTIONS = {"epochs": 1, "seed": 1234}  # what every simulated member shows node 0
 MEMBERS_A_PROCESS = 256  # a zmq context's sockets stay well under its limit of 1023

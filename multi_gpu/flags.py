@@ -128,12 +128,39 @@ def check_compiledir(pytensor, pytensor_flags, script):
         sys.exit(2)
 
 
+NEEDED = ("numpy", "pytensor", "jax", "zmq")  # requirements.txt's, which every script imports
+
+
+def check_interpreter(script):
+    """Python 3.11 or later, with the packages of requirements.txt, or one
+    line that says what to do (another Python, a venv not activated),
+    instead of the traceback of an import; exit 2."""
+    import importlib.util
+    import platform
+    if sys.version_info < (3, 11):
+        print(f"{script}: error: Python 3.11 to 3.13 runs it, and this is Python "
+              f"{platform.python_version()} ({sys.executable}): make the venv with one of "
+              "those: python3.13 -m venv .venv && . .venv/bin/activate && pip install -r "
+              "requirements.txt", file=sys.stderr)
+        sys.exit(2)
+    missing = [name for name in NEEDED if importlib.util.find_spec(name) is None]
+    if not missing:
+        return
+    names = ", ".join(missing[:-1]) + " and " * (len(missing) > 1) + missing[-1]
+    print(f"{script}: error: {names} {'is' if len(missing) == 1 else 'are'} not installed "
+          f"for this Python ({sys.executable}): activate the project's venv (. .venv/bin/"
+          "activate), or make one: python3 -m venv .venv && . .venv/bin/activate && pip "
+          "install -r requirements.txt", file=sys.stderr)
+    sys.exit(2)
+
+
 def apply(environ=os.environ):
     """Map the flags, then import PyTensor, which reads them: a flag it
     rejects ends the script in one line (exit 2); one it does not know is a
     one-line warning that names the variable it came from."""
     global DEVICE, DEVICE_ASKED, MODE
     script = os.path.basename(sys.argv[0]) or "python"
+    check_interpreter(script)
     given = {"THEANO_FLAGS": environ.pop("THEANO_FLAGS", ""),
              "PYTENSOR_FLAGS": environ.get("PYTENSOR_FLAGS", "")}
     check_threads(environ, script)

@@ -289,6 +289,22 @@ def test_a_gpu_benchmark_without_a_gpu_is_one_line_and_writes_nothing(tmp_path, 
     assert not (tmp_path / "results").exists()
 
 
+def test_a_benchmark_without_a_test_requirement_says_which_in_one_line():
+    """bench.lobby after requirements.txt alone (psutil hidden here): one
+    line naming what to install, exit 2, no traceback."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, environment
+    out = subprocess.run([sys.executable, "-c", "import sys, runpy; sys.modules['psutil'] = None; "
+                          "runpy.run_module('bench.lobby', run_name='__main__', alter_sys=True)",
+                          "--help"], cwd=ROOT, env=environment(), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "python -m bench.lobby: error: it needs psutil, which is not installed: pip install -r "
+        "requirements-test.txt"], out.stderr
+
+
 def test_trace_cost_cpu_times_the_same_run_with_and_without_the_trace(clone):
     """bench/README's command, cheap: two epochs (the first is not counted),
     one round; into out/, which git ignores."""

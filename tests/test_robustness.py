@@ -4,6 +4,7 @@ limits of containers, full folders, odd interpreters and limits, and the
 benchmarks' own arguments.  Each ends in one of two ways: it works, or it
 stops in one line, non-zero, with nothing lost and nothing left behind."""
 import contextlib
+import glob
 import gzip
 import hashlib
 import os
@@ -425,6 +426,26 @@ def test_the_scripts_run_under_odd_interpreter_flags(how, env, runs, tmp_path):
             assert out.returncode == 0 and "Traceback" not in out.stderr, (how, name,
                                                                           out.stderr[-800:])
             assert "Exception ignored" not in out.stderr, out.stderr[-800:]
+
+
+PYENV = os.path.expanduser(os.environ.get("PYENV_ROOT", "~/.pyenv"))
+
+
+@pytest.mark.parametrize("script", ["dual_mlp.py", "mlp.py", "logistic_sgd.py"])
+def test_another_python_or_one_without_the_packages_is_one_line(script, tmp_path):
+    """A Python without the requirements (here: site-packages off, -S; a venv
+    not activated reads the same), and a Python older than 3.11 where one is
+    at hand (pyenv's): one line saying what to do, exit 2, no traceback."""
+    out = subprocess.run([sys.executable, "-S", str(ROOT / script)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60, env=environment())
+    one_line(out, 2, f"{script}: error: numpy, pytensor, jax and zmq are not installed for "
+             f"this Python ({sys.executable}): activate the project's venv")
+    older = sorted(glob.glob(f"{PYENV}/versions/3.10.*/bin/python3.10"))
+    if older:
+        out = subprocess.run([older[-1], str(ROOT / script)], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60, env=environment())
+        one_line(out, 2, f"{script}: error: Python 3.11 to 3.13 runs it, and this is Python "
+                 "3.10.")
 
 
 def test_a_limit_of_open_files_too_low_to_raise_is_one_line():
