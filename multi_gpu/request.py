@@ -55,7 +55,8 @@ def choose_devices(requested, nodes=1):
                                "running both workers on the CPU"
     if count == 0:
         raise UsageError(f"GPU asked for, but none is usable: {why}. Install the GPU "
-                         "requirements (pip install -r requirements-gpu.txt) or pass 'cpu cpu'")
+                         "requirements (requirements-gpu.txt, then requirements-pycuda.txt: "
+                         "README.md's GPU path) or pass 'cpu cpu'")
     for dev in requested:
         if int(dev) >= count:
             raise UsageError(f"GPU {dev} does not exist: this machine has {count} "

@@ -124,6 +124,27 @@ def test_the_constraints_pin_every_requirement_on_every_python_ci_tests():
                 f"{name}: {exact} for Python {python} is not {wanted}"
 
 
+def test_the_gpu_requirements_install_whole_without_a_cuda_toolkit(tmp_path):
+    """pip resolves requirements-gpu.txt, and all it brings, to wheels alone
+    (--only-binary :all:, as a dry run): nothing is built, so a machine
+    without the CUDA toolkit installs it whole.  PyCUDA, which PyPI has only
+    as source, is requirements-pycuda.txt's, and the README's GPU set-up
+    names what its build needs."""
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet",
+                          "--ignore-installed", "--only-binary", ":all:", "--report",
+                          tmp_path / "report.json", "-r", ROOT / "requirements-gpu.txt"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = {i["metadata"]["name"].lower() for i in
+             json.loads((tmp_path / "report.json").read_text())["install"]}
+    assert {"jax-cuda13-plugin", "pytensor", "pyzmq"} <= names and "pycuda" not in names, names
+    pycuda = [line for line in (ROOT / "requirements-pycuda.txt").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    assert pycuda == ["pycuda>=2024.1"], pycuda
+    readme = (ROOT / "README.md").read_text()
+    assert "CUDA_ROOT=/usr/local/cuda pip install -r requirements-pycuda.txt" in readme
+
+
 def test_ruff_finds_nothing_anywhere():
     """pyflakes, pycodestyle at the project's line length, bugbear, no
     function past a McCabe complexity of 10, the imports in isort's order
