@@ -377,6 +377,7 @@ def check_request(args, shapes, *, command, batch_size, shipped_batch_size, step
     check_outputs(draft)
     # read once and checked: the workers train on this very copy (``leave_the_request``)
     splits = draft.checked_data = datasets.read_checked(draft.dataset)
+    notices.append(datasets.named(draft.dataset, splits, draft))
     n_train = len(splits[0][0])
     if draft.batch_size is None:
         draft.batch_size = shipped_batch_size if draft.dataset == datasets.SHIPPED else batch_size
