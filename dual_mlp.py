@@ -565,7 +565,7 @@ def worker(args, rank, world, dev, rundir, watchdog):
         if rank == 0:
             say(f"Optimization complete. Best validation error "
                 f"{progress.best_validation_error * 100.:.2f} %, test error of that model "
-                f"{progress.test_error * 100.:.2f} %{report.lower(progress)}")
+                f"{progress.test_error * 100.:.2f} %{report.remarks(args, progress)}")
             samples_per_s, step_us = speeds = report.speed(args, progress, trainer, world)
             say(f"Trained at {samples_per_s:,.0f} samples/s ({world} workers), "
                 f"{step_us['step']:.0f} us per step{report.phases(step_us)}")
@@ -582,7 +582,6 @@ def worker(args, rank, world, dev, rundir, watchdog):
 def main(argv=None):
     cli.quiet_start_up()
     args = parse_args(argv)
-    started = time.perf_counter()
     command = shlex.join(["python", "dual_mlp.py"] + (sys.argv[1:] if argv is None else argv))
     shapes = mlp.parameter_shapes(datasets.N_PIXELS, args.n_hidden, datasets.N_CLASSES)
     with ExitStack() as run:
@@ -600,7 +599,7 @@ def main(argv=None):
             PeerError, records.CheckpointError, datasets.DatasetError, report.Diverged))
         code = supervisor.Supervisor(plan, shapes, start, rundir, link).run()
     if code == 0:
-        cli.say(report.ended(plan, time.perf_counter() - started))
+        cli.say(report.ended(plan))
     return code
 
 

@@ -322,8 +322,10 @@ def compiled(seconds, before):
         return (f"loaded from XLA's cache ({tilde(xla_cache.jax_cache_folder())}) in "
                 f"{seconds:.1f} s, nothing compiled ({counted(hits, 'program')} read in "
                 f"{xla_cache.CACHE['loading_s'] - before.get('loading_s', 0):.1f} s)")
+    # On a cache empty at the start, the workers compile at once, and one reads what
+    # another has just written: the counts change from run to run, and say nothing
     cached = "" if not hits else \
-        f" ({misses} compiled, {hits} read from XLA's cache as this run filled it)" \
+        " (XLA's cache was empty: it holds this run's programs now, for the next run)" \
         if xla_cache.CACHE["empty_at_start"] else \
         f" ({hits} of {counted(hits + misses, 'program')} from XLA's cache)"
     problem = xla_cache.cache_problem()

@@ -21,6 +21,7 @@ import multi_gpu.flags as flags  # first: THEANO_FLAGS onto PyTensor's flags
 import functools
 import importlib.util
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -256,6 +257,21 @@ n = drv.Device.count()
 print(json.dumps([[a == b or drv.Device(a).can_access_peer(drv.Device(b)) for b in range(n)]
                   for a in range(n)]))
 """
+
+
+def cpu_notices(devices, float_x):
+    """Notices for a run on the CPU that will be slower than it need be:
+    more CPU workers than the cores this process may use (``taskset``, a
+    cgroup's cpuset), each then a part of a core; float64, which the demo's
+    models are not written for (2014's and the GPUs' float32)."""
+    workers, cores = devices.count("cpu"), len(os.sched_getaffinity(0))
+    if workers > cores:
+        yield (f"notice: {workers} CPU workers on {cores} core{'s' * (cores > 1)} (those this "
+               "process may use): each gets a part of one, and together they run no faster than "
+               f"{cores} worker{'s' * (cores > 1)} would")
+    if workers and float_x == "float64":
+        yield ("notice: floatX=float64: the demo's models are written for float32 (2014's, "
+               "and the GPUs'); float64 takes twice the memory and runs slower")
 
 
 @functools.cache

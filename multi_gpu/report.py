@@ -55,9 +55,19 @@ def compiling(what, mode=None, where="cpu"):
             f"{first}; later runs {later})")
 
 
-def ended(args, wall):
+def since_start():
+    """Seconds since this process started, as the kernel counts them
+    (/proc: Python's own start-up and imports included, which a clock read
+    in ``main`` misses, about a second)."""
+    with open("/proc/self/stat") as f:
+        started = int(f.read().rpartition(")")[2].split()[19]) / os.sysconf("SC_CLK_TCK")
+    with open("/proc/uptime") as f:
+        return float(f.read().split()[0]) - started
+
+
+def ended(args):
     """A node's last line when the run ends well."""
-    line = f"total wall time {wall:.1f} s (start-up and compile included)"
+    line = f"total wall time {since_start():.1f} s (start-up and compile included)"
     if not args.node_rank:
         return line
     host = host_and_port(args.coordinator)[0]
@@ -65,8 +75,16 @@ def ended(args, wall):
             "and summary")
 
 
-def lower(progress):
-    """What worker 0 adds where the test error came out below validation's."""
+CHANCE = 1 - 1 / 10  # the error of a guess among ten classes
+
+
+def remarks(args, progress):
+    """What worker 0 adds to its result: where the test error came out below
+    validation's, why it can; where the model learnt nothing (its best
+    validation error near a guess's), what to try."""
+    if progress.best_validation_error >= CHANCE - 0.05:
+        return (f"; near a guess's {CHANCE * 100:.0f} %: the model learnt nothing, which a "
+                f"learning rate too large does (try one smaller than {args.learning_rate:g})")
     return (" (a separate sample of images: it can come out lower than validation)"
             if progress.test_error < progress.best_validation_error else "")
 

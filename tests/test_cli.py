@@ -294,3 +294,38 @@ def test_dual_mlp_names_the_device_flag_as_typed_and_counts_one_step_as_one():
         in out.stderr
     assert ", 1 step per epoch;" in out.stdout
     assert "epoch 1/1: 1 step per worker (2 minibatches of 1500)" in out.stdout, out.stdout
+
+
+def test_a_run_slower_or_emptier_than_it_need_be_says_why(tmp_path):
+    """Three CPU workers on the one core this process may use, floatX=float64
+    and a learning rate of 100: a notice for each of the first two as the
+    run starts, and, the model having learnt nothing (its error a guess's),
+    a remark beside the result that names the learning rate."""
+    import subprocess
+    import sys
+    command = [sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, {min("
+               "os.sched_getaffinity(0))}); os.execv(sys.executable, [sys.executable, "
+               "*sys.argv[1:]])", str(ROOT / "dual_mlp.py"), "cpu", "cpu", "cpu", "--epochs",
+               "1", "--learning-rate", "100"]
+    out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=environment({"THEANO_FLAGS": "floatX=float64"}))
+    assert out.returncode == 0, out.stderr
+    assert "notice: 3 CPU workers on 1 core (those this process may use): each gets a part " \
+        "of one, and together they run no faster than 1 worker would\n" in out.stdout, out.stdout
+    assert "notice: floatX=float64: the demo's models are written for float32" in out.stdout
+    assert re.search(r"^Optimization complete\. Best validation error \d+\.\d\d %, test error of "
+                     r"that model \d+\.\d\d %; near a guess's 90 %: the model learnt nothing, "
+                     r"which a learning rate too large does \(try one smaller than 100\)$",
+                     out.stdout, re.M), out.stdout
+
+
+def test_the_total_wall_time_counts_the_start_up_of_python_too():
+    """``report.since_start`` counts from the process's start, as the kernel
+    does: a second slept before its module is imported is in it."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "import time; time.sleep(1.0); from multi_gpu "
+                          "import report; print(report.since_start())"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env=environment())
+    assert out.returncode == 0, out.stderr
+    assert 1.0 <= float(out.stdout) < 60, out.stdout
