@@ -12,6 +12,7 @@ kept, until node 0 comes back (``rejoin``).
 """
 import contextlib
 import json
+import re
 import sys
 import time
 
@@ -206,13 +207,20 @@ class Member(Heartbeats):
             waiting = self.node0.waiting
             if waiting:
                 deadline = time.monotonic() + LOST_AFTER + 10
-                if waiting != said:
+                if waiting != said and not self.awaited_in(waiting):
                     cli.say(f"node {self.node_rank}: {waiting}", file=sys.stderr)
                     said = waiting
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         return self.ordered()
+
+    def awaited_in(self, waiting):
+        """Whether node 0's words, said before this node came back, wait for
+        this node itself: not for this node to repeat."""
+        awaited = re.search(r"waiting up to \S+ s for (.*?) to come back", waiting)
+        return bool(awaited) and f"node {self.node_rank}" in re.split(r", | and ",
+                                                                    awaited.group(1))
 
     def answer(self, frames, reply):
         pass  # node 0 says only heartbeats

@@ -277,9 +277,9 @@ class Supervisor:
             if self.outcome.code == 2 or link.door_ended():  # bad input fails again; a door
                 raise RunEnds(why)                            # gone, nobody reaches this node
             if generation > plan.max_restarts:
-                raise RunEnds(why if not kept else f"{why}, but the run has restarted "
-                              f"{kept['generation']} times already (--max-restarts "
-                              f"{plan.max_restarts})")
+                raise RunEnds(f"{why}, but the run has restarted {kept['generation']} times "
+                              f"already (--max-restarts {plan.max_restarts})" if kept else
+                              used_up(why, plan))
             lost = self.outcome.lost
             if not (lost or link.present()):  # a worker broke as a node went: the node's word
                 why, lost = link.verdict() or why, True
@@ -287,8 +287,10 @@ class Supervisor:
             return State.WAITING if lost or kept else State.RESTARTING
         if not link.ordered():
             link.tell(NodeState.FAILED, why)  # node 0 decides whether the run starts again
-        if self.outcome.code == 2 or link.generation >= plan.max_restarts:
+        if self.outcome.code == 2:
             raise RunEnds(why)
+        if link.generation >= plan.max_restarts:
+            raise RunEnds(used_up(why, plan))
         if not (self.outcome.lost or link.node0.lost()):
             link.await_order()
         if not link.ordered() and link.node0.lost():
@@ -427,6 +429,13 @@ def another_nodes_word(link):
         time.sleep(0.05)
         verdict = link.verdict()
     return verdict
+
+
+def used_up(why, plan):
+    """A failure that ends the run because it may start again no more: said,
+    where it had restarts to use (none asked for says nothing new)."""
+    return f"{why}; the run's restarts are used up (--max-restarts {plan.max_restarts})" \
+        if plan.max_restarts else why
 
 
 def adopt(plan, shapes, link):

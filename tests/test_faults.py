@@ -402,3 +402,15 @@ def test_node_0_started_again_takes_the_newest_kept_copy_that_checks_out(capsys)
     said = capsys.readouterr().err
     assert said.startswith("node 0: node 2 (10.0.0.3) kept the run, but ") and \
         said.rstrip().endswith(": its copy is not taken"), said
+
+
+def test_a_failure_past_the_last_restart_says_the_restarts_are_used_up(no_leftovers):
+    """--max-restarts 1 and a worker that fails in every launch: the run
+    restarts once, saying it is its last, then ends in one line that says
+    its restarts are used up."""
+    out = dual("cpu", "cpu", "--epochs", 1, "--max-restarts", 1,
+               env={"DUAL_MLP_FAULT": "1:train:raise"}, timeout=300)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and "(restart 1 of 1)" in lines[0], out.stderr
+    assert lines[-1].startswith("error: worker 1 (device cpu) failed: ") and lines[-1].endswith(
+        "; the run's restarts are used up (--max-restarts 1)"), out.stderr

@@ -213,3 +213,19 @@ def test_kept_copies_are_checked_against_each_other(capsys):
     tie = [copy("node 1", 5, "A"), copy("node 2", 5, "B"), copy("node 3", 4, "C")]
     assert [k["who"] for k in agreed(tie)] == ["node 3"]
     assert "as many nodes hold each, so none is taken" in capsys.readouterr().err
+
+
+def test_a_node_that_came_back_does_not_repeat_that_node_0_waits_for_it():
+    """Node 0's words while it waits, heard by a node that has just come
+    back: repeated where they wait for another node, not where they wait for
+    this one (it said "waits for node 1 to come back", being node 1)."""
+    from multi_gpu.member import Member
+    node1 = Member.__new__(Member)  # its words alone: no connection
+    node1.node_rank = 1
+    lost = ("node {0} (10.77.0.{1}) lost: not heard from for 5 s at epoch 3, step 15: waiting "
+            "up to 300 s for {2} to come back (its command again, there or on a replacement "
+            "machine)")
+    assert node1.awaited_in(lost.format(1, 2, "node 1"))
+    assert node1.awaited_in(lost.format(1, 2, "node 2 and node 1"))
+    assert not node1.awaited_in(lost.format(2, 3, "node 2"))
+    assert not node1.awaited_in(lost.format(1, 2, "node 11"))
