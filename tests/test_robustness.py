@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -531,27 +532,40 @@ def test_a_batch_of_one_trains_without_a_rewrite_traceback():
         assert out.returncode == 0 and out.stderr == "", (name, out.stderr[-1500:])
 
 
+def closed_folders(*paths):
+    """The folders above ``paths``, top down, that another user may not enter
+    (no search bit for others): root's home, a clone made in ``mktemp -d``."""
+    found = []
+    for path in paths:
+        for folder in reversed(Path(path).resolve().parents):
+            if not os.stat(folder).st_mode & 0o001 and folder not in found:
+                found.append(folder)
+    return found
+
+
 def as_nobody(nproc, command, tmp_path):
     """``command`` as uid 65534 (root is held to no process limit) under
-    ``ulimit -u nproc``, HOME a folder of its own.  This Python may live in
-    root's home, which no other user may enter: in a private mount namespace,
-    an open folder is laid over it, holding each of its entries (each keeps
-    its own mode), and nothing else sees the change."""
+    ``ulimit -u nproc``, HOME a folder of its own.  The repository, and this
+    Python, may lie in folders no other user may enter (root's home, a clone
+    in a folder of mode 0700): in a private mount namespace, an open folder
+    is laid over each, holding each of its entries (each keeps its own
+    mode), and nothing else sees the change."""
     if not all(map(shutil.which, ("unshare", "setpriv", "prlimit"))):
         pytest.skip("needs unshare, setpriv and prlimit, to run as another user")
     real = tmp_path / "root"
     real.mkdir(exist_ok=True)  # a mount point in the namespace alone
     home = tempfile.mkdtemp(prefix="dual_mlp-tests-nobody-", dir="/tmp")  # that user may write
     os.chmod(home, 0o777)
-    lay_open = (f"mount --bind / {real} && mount -t tmpfs -o mode=755 tmpfs /root && "
-                f"for e in {real}/root/.[!.]* {real}/root/*; do [ -e \"$e\" ] || continue; "
-                "n=/root/${e##*/}; if [ -d \"$e\" ]; then mkdir \"$n\"; else touch \"$n\"; fi; "
-                "mount --bind \"$e\" \"$n\"; done")
+    lay_open = [f"mount --bind / {real}"] + [
+        f"mount -t tmpfs -o mode=755 tmpfs {folder} && for e in {real}{folder}/.[!.]* "
+        f"{real}{folder}/*; do [ -e \"$e\" ] || continue; n={folder}/${{e##*/}}; if [ -d "
+        "\"$e\" ]; then mkdir \"$n\"; else touch \"$n\"; fi; mount --bind \"$e\" \"$n\"; done"
+        for folder in closed_folders(ROOT / "dual_mlp.py", sys.executable, sys.prefix)]
     nobody = (f"setpriv --reuid=65534 --regid=65534 --clear-groups prlimit --nproc={nproc} "
               f"env HOME={home} PYTENSOR_FLAGS=base_compiledir={home}")
     try:
-        out = subprocess.run(["unshare", "--mount", "sh", "-c", f"{lay_open} && cd {home} && "
-                              f"exec {nobody} {shlex.join(map(str, command))}"],
+        out = subprocess.run(["unshare", "--mount", "sh", "-c", f"{' && '.join(lay_open)} && "
+                              f"cd {home} && exec {nobody} {shlex.join(map(str, command))}"],
                              capture_output=True, text=True, timeout=120, env=environment())
     finally:
         shutil.rmtree(home, ignore_errors=True)
