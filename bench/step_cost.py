@@ -50,6 +50,7 @@ from bench.common import (
     measured_by,
     one_device,
     parse_args,
+    prog,
     record,
     show,
 )
@@ -170,13 +171,18 @@ def figure(system, batch, k, rounds, plain=None, **more):
     return dict(row, **more)
 
 
+BATCHES = (100, 500, 5000)
+
+
 def arguments():
     """The command line, checked: each batch leaves two minibatches of the data."""
     from multi_gpu import datasets
     parser = Parser(about=__doc__)
     parser.add_argument("--dataset", default=datasets.SHIPPED,
                         help="training data (default: the shipped digits)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[100, 500, 5000])
+    parser.add_argument("--batches", type=int, nargs="+", default=None,
+                        help=f"examples per step (default: {' '.join(map(str, BATCHES))}, "
+                             "those the data holds two minibatches of)")
     parser.add_argument("--steps-per-call", type=int, nargs="+", default=None,
                         help="K values, each at most an epoch (default: 1 and the demo's "
                              "default)")
@@ -192,6 +198,13 @@ def arguments():
     if args.cpu:
         args.batches, args.steps = [100], min(args.steps, 40)
     n_train = len(datasets.read(args.dataset)[0][1])
+    if args.batches is None:  # the defaults the data at hand holds, and a word on the others
+        args.batches = [b for b in BATCHES if 2 * b <= n_train]
+        if args.batches != list(BATCHES):
+            left = ", ".join(str(b) for b in BATCHES if b not in args.batches)
+            print(f"{prog()}: batch {left} left out: {args.dataset} holds {n_train:,} training "
+                  f"images, fewer than two such minibatches (--dataset {DEBIAN_FASHION} holds "
+                  "50,000)")
     too_big = [b for b in args.batches if 2 * b > n_train]
     if too_big:  # a step of the ordered trainers takes two minibatches: its worker's, its peer's
         parser.error(f"--batches {too_big[0]}: {args.dataset} holds {n_train:,} training images, "
@@ -250,6 +263,8 @@ def main():
                       + (f"  {f['over_plain']:.3f}x plain" if "over_plain" in f else ""),
                       flush=True)
     device.close()
+    import jax
+    jax.distributed.shutdown()  # as a worker does: the runtime's watch ends without a word
     path = record("step_cost_cpu" if args.cpu else "step_cost", args.out,
                   device=device.description, dataset=args.dataset, target=TARGET,
                   rounds=args.rounds,
