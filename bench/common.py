@@ -109,15 +109,16 @@ def invocation():
 def record(name, out_dir, **results):
     """Write ``<out_dir>/<name>.json`` with the date, machine, commit and command
     line, the seconds the benchmark has run so far (what its command costs),
-    and the machine's load (1 minute's average) as it started and now."""
+    and the machine's load (1 minute's average) as it started and now, where
+    the benchmark records none of its own (``results`` win)."""
     from multi_gpu.records import code_commit, write_json
     os.makedirs(out_dir, exist_ok=True)
     document = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     command=shlex.join(["python", *invocation(), *sys.argv[1:]]),
                     commit=code_commit(), machine=machine(),
                     wall_s=round(time.monotonic() - STARTED, 1),
-                    load=dict(start=round(LOAD_AT_START, 2), end=round(os.getloadavg()[0], 2)),
-                    **results)
+                    load=dict(start=round(LOAD_AT_START, 2), end=round(os.getloadavg()[0], 2)))
+    document.update(results)
     path = os.path.join(out_dir, f"{name}.json")
     write_json(path, document)  # whole, or the file as it was
     print(f"wrote {path}")
