@@ -274,6 +274,34 @@ def drop_folders_of_dead_runs(parent):
                 shutil.rmtree(entry.path, ignore_errors=True)
 
 
+def running_beside():
+    """A notice where other launchers of this user run on this machine now
+    (their run folders, their processes alive): their workers share its
+    cores, and each run is slower than alone."""
+    pids = set()
+    for parent in {"/dev/shm", tempfile.gettempdir()}:
+        with contextlib.suppress(OSError), os.scandir(parent) as entries:
+            pids |= {int(found.group(1)) for found in map(RUN_FOLDER_NAME.fullmatch,
+                                                          (entry.name for entry in entries))
+                     if found}
+    mine = sorted(pid for pid in pids - {os.getpid()} if alive(pid) and owned(f"/proc/{pid}"))
+    if not mine:
+        return None
+    many = len(mine) > 1
+    return (f"notice: {len(mine)} other dual_mlp.py launcher{'s' * many} of yours "
+            f"run{'s' * (not many)} on this machine now (pid {', '.join(map(str, mine))}): "
+            f"{'their' if many else 'its'} workers share the cores, and each run is slower "
+            "than alone")
+
+
+def owned(path):
+    """Whether ``path`` is this user's (False where it is gone)."""
+    try:
+        return os.stat(path).st_uid == os.getuid()
+    except OSError:
+        return False
+
+
 def run_folder(args, shapes):
     """Where the run's private folder for its sockets, buffers and heartbeats
     will be (``Supervisor.start`` makes it): in shared memory where it has

@@ -18,7 +18,7 @@ import typing
 
 import pytensor
 
-from multi_gpu import cli, datasets, lobby, locks, member, memory, records, xla_runtime
+from multi_gpu import cli, datasets, files, lobby, locks, member, memory, records, xla_runtime
 from multi_gpu.cli import UsageError
 from multi_gpu.devices import cpu_notices, peer_access, usable_gpus
 from multi_gpu.files import NoRunFolder, private_coordinator, run_folder
@@ -372,7 +372,7 @@ def check_request(args, shapes, *, command, batch_size, shipped_batch_size, step
     notices += check_exchange(draft, world, gpus, choices)
     if gpus and pytensor.config.floatX != "float32":
         raise UsageError("the GPU path runs in float32: drop floatX from the flags")
-    notices += cpu_notices(draft.devices, pytensor.config.floatX)
+    notices += [*cpu_notices(draft.devices, pytensor.config.floatX), files.running_beside()]
     draft.dataset, notice = datasets.resolve(draft.dataset)
     notices.append(notice)
     check_outputs(draft)

@@ -751,3 +751,22 @@ def test_an_output_takes_the_mode_the_users_umask_gives(tmp_path, mask, mode):
     finally:
         os.umask(old)
     assert os.stat(tmp_path / "out.json").st_mode & 0o777 == mode
+
+
+def test_a_run_beside_another_of_the_same_user_says_they_share_the_cores(no_leftovers):
+    """Two demos at once: the second says, as it starts, that the first's
+    launcher runs on this machine too, and that the runs share its cores."""
+    from conftest import PACED, start_dual, wait_until_training
+    first = start_dual("cpu", "cpu", "--epochs", 1000, env=PACED)
+    try:
+        wait_until_training(first)
+        out = dual("cpu", "cpu", "--epochs", 1, timeout=300)
+        assert out.returncode == 0, out.stderr
+        notice = next((line for line in out.stdout.splitlines()
+                       if re.match(r"notice: \d+ other dual_mlp\.py launchers? of yours", line)),
+                      "")
+        assert re.search(rf"\(pid [\d, ]*\b{first.pid}\b[\d, ]*\): (its|their) workers share the "
+                         r"cores, and each run is slower than alone$", notice), out.stdout
+    finally:
+        os.killpg(first.pid, signal.SIGINT)  # a Ctrl-C: it stops, and removes its folders
+        first.communicate(timeout=120)
