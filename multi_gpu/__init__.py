@@ -32,6 +32,8 @@
                      written whole, or not at all
 ``datasets``         data readers (pickle, IDX), the shipped digits (``python -m
                      multi_gpu.datasets``)
+``safe_read``        a data file read as one that may be hostile: no FIFO, no gzip bomb, a
+                     pickle of arrays and tuples alone
 ``flags``            THEANO_FLAGS onto PyTensor's flags: every module imports it first
 ``cli``              what the scripts share at the command line
 ``tutorial``         the one import of ``mlp.py`` and ``logistic_sgd.py``
