@@ -125,8 +125,10 @@ def follow(plan, order, shapes):
 def taken(plan, shapes, kept):
     """Node 0 started again: from ``kept``, one node's copy of the run's
     checkpoint, checked as --resume is (CheckpointError where it does not
-    check out), as the run ``kept`` names.  Returns (the plan that resumes
-    there, where in words)."""
+    check out), as the run its file names (the node's word for the run may
+    be the name a node 0 gave it before it adopted the run; a file of an
+    older version names none: the node's word, then).  Returns (the plan
+    that resumes there, where in words)."""
     plan = dataclasses.replace(plan, run_id=kept["run"])
     raw = kept.get("checkpoint") and base64.b64decode(kept["checkpoint"])
     if not raw:
@@ -135,9 +137,11 @@ def taken(plan, shapes, kept):
     plan = dataclasses.replace(plan, resume=f"node {kept['rank']}'s copy of the run's checkpoint")
     try:
         run, epoch = records.written_by(plan.resume, shapes, raw)
-        if (run, epoch) != (kept["run"], kept.get("epoch")):
-            raise records.CheckpointError(f"{plan.resume} is not the run's checkpoint it says")
-        plan = dataclasses.replace(plan, **check_resume(plan, shapes, raw=raw)[0])
+        if epoch != kept.get("epoch"):
+            raise records.CheckpointError(f"{plan.resume} is not the run's checkpoint it says "
+                                          f"(epoch {epoch}, not {kept.get('epoch')})")
+        plan = dataclasses.replace(plan, run_id=run or kept["run"],
+                                   **check_resume(plan, shapes, raw=raw)[0])
     except (UsageError, records.CheckpointError) as e:
         raise records.CheckpointError(f"{kept['who']} kept the run, but {e}") from None
     return resumed_at(plan)

@@ -450,7 +450,7 @@ def adopt(plan, shapes, link):
         except records.CheckpointError as e:
             cli.say(f"node 0: {e}: its copy is not taken", file=sys.stderr)
             continue
-        link.adopt(kept["run"])
+        link.adopt(resumed[0].run_id)
         return resumed
     raise RunEnds("no copy of the run's checkpoint that the other nodes kept checks out (see "
                   "above)")

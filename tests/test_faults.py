@@ -377,7 +377,8 @@ def test_node_0_started_again_takes_the_newest_kept_copy_that_checks_out(capsys)
     """Node 0 started again, the others' copies of the run's checkpoint:
     one that does not check out (truncated, at a later epoch than the good
     one) is said and left; the next newest that checks out is taken, and
-    the plan resumes from it, as the run it names."""
+    the plan resumes from it, as the run its file names (the node knew the
+    run by the name a node 0 started again gave it before it adopted it)."""
     import base64
     import types
 
@@ -391,8 +392,8 @@ def test_node_0_started_again_takes_the_newest_kept_copy_that_checks_out(capsys)
         steps_per_call=dual_mlp.STEPS_PER_CALL, epochs=dual_mlp.EPOCHS, choices=dual_mlp.CHOICES)
     copies = [dict(who="node 2 (10.0.0.3)", rank=2, run=run, generation=0, epoch=epoch + 1,
                    checkpoint=base64.b64encode(raw[:len(raw) // 2]).decode()),
-              dict(who="node 1 (10.0.0.2)", rank=1, run=run, generation=0, epoch=epoch,
-                   checkpoint=base64.b64encode(raw).decode())]
+              dict(who="node 1 (10.0.0.2)", rank=1, run="0123456789abcdef", generation=0,
+                   epoch=epoch, checkpoint=base64.b64encode(raw).decode())]
     adopted = []
     link = types.SimpleNamespace(kept_by_others=lambda every: copies, adopt=adopted.append)
     resumed, words = supervisor.adopt(plan, SHAPES, link)
