@@ -49,6 +49,17 @@ KNOCK_S = 10.0  # seconds a knock waits for node 0's answer before it is made ag
 TOLD_S = 2.0    # seconds a node whose command was refused gives node 0 to hear why
 
 
+def knocker(context, secret):
+    """A node's socket to node 0's lobby, under CURVE keyed by the run's
+    ``secret``, not yet connected; what is unsent goes with it when closed."""
+    public, private = curve_keys(secret)
+    member = context.socket(zmq.DEALER)
+    member.curve_serverkey, member.curve_publickey, member.curve_secretkey = public, public, \
+        private
+    member.setsockopt(zmq.LINGER, 0)
+    return member
+
+
 def cannot_start(args, why):
     """Node ``args.node_rank`` > 0, its own command refused (``why``), tells
     node 0 so where it can (the run's secret at hand, node 0 listening), for
@@ -58,11 +69,7 @@ def cannot_start(args, why):
         return
     context = zmq.Context()
     try:
-        public, private = curve_keys(run_secret(args)[0])
-        member = context.socket(zmq.DEALER)
-        member.curve_serverkey, member.curve_publickey, member.curve_secretkey = public, public, \
-            private
-        member.setsockopt(zmq.LINGER, 0)
+        member = knocker(context, run_secret(args)[0])
         member.connect(f"tcp://{args.coordinator}")
         member.send_multipart([b"", json.dumps(dict(node_rank=args.node_rank,
                                                     cannot_start=why)).encode()])
@@ -97,11 +104,7 @@ class Member(Heartbeats):
     def join(self, timeout, kept=None):
         """Knock at node 0's lobby and wait ``timeout`` s for its answer; then beat."""
         import zmq.utils.monitor
-        public, private = curve_keys(self.secret)
-        member = self.context.socket(zmq.DEALER)
-        member.curve_serverkey, member.curve_publickey, member.curve_secretkey = public, public, \
-            private
-        member.setsockopt(zmq.LINGER, 0)
+        member = knocker(self.context, self.secret)
         monitor = member.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                                             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                                             | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
