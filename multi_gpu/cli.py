@@ -38,8 +38,9 @@ def quit_quietly(signum, frame):
     for undo in reversed(ON_QUIT):
         with contextlib.suppress(Exception):
             undo()
-    with contextlib.suppress(OSError):
-        os.write(2, b"interrupted\n")
+    if signum != signal.SIGPIPE:  # a closed pipe ends a process as it ends ``cat``: silently
+        with contextlib.suppress(OSError):
+            os.write(2, b"interrupted\n")
     os._exit(128 + signum)
 
 
@@ -62,7 +63,9 @@ def say(*words, file=None, **kw):
     that a Ctrl-C ended first): what could not be said is dropped, and the
     stream goes to /dev/null from then on, so that a launcher still stops
     its workers and releases what it holds (SIGPIPE is ignored meanwhile:
-    ``keep_going_without_readers``)."""
+    ``keep_going_without_readers``).  A closed standard output stops the
+    process as SIGPIPE would have, through its stop handler: nobody reads
+    the run any more (and workers forked later would write to /dev/null)."""
     file = file or sys.stdout
     try:
         print(*words, file=file, flush=True, **kw)
@@ -71,6 +74,9 @@ def say(*words, file=None, **kw):
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, file.fileno())
             os.close(null)
+        handler = signal.getsignal(signal.SIGTERM)
+        if file is sys.stdout and callable(handler):
+            handler(signal.SIGPIPE, None)
 
 
 def text_stream(fd, like):

@@ -220,6 +220,9 @@ class Supervisor:
                     return self.ended(outcome)
             time.sleep(0.05)
         left = stop(workers)
+        if stopping.signum == signal.SIGPIPE:  # our standard output closed (``| head``)
+            link.tell(NodeState.FAILED, "its output was closed (SIGPIPE)", final=True)
+            return self.ended(Outcome(128 + signal.SIGPIPE))
         interrupted = f"interrupted ({signal.Signals(stopping.signum).name})"
         link.tell(NodeState.FAILED, interrupted, final=True)
         cli.say(f"{interrupted}{records.resume_hint(plan, self.shapes)}{unkillable(left)}",

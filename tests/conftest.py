@@ -426,6 +426,12 @@ def interrupted(err, signame, ckpt):
         "python dual_mlp.py " in lines[0] and lines[0].endswith(f" --resume {ckpt}"), err
 
 
+# How long a stop may take: its own deadlines (SIGTERM, 2 s, SIGKILL, 2 s) and its
+# clean-up, which a busy machine stretches (full suites saw 5.2 and 6.4 s; beside two other
+# suites, 11.5 s); a stop that waited out a worker's --timeout (120 s) takes longer.
+STOPS_WITHIN = 30
+
+
 def finish(proc, timeout):
     """Wait for the launcher; returns (exit code, seconds it took, stderr);
     what it printed on stdout is left in ``proc.out``."""

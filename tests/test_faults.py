@@ -12,6 +12,7 @@ import pytest
 from conftest import (
     PACED,
     SHAPES,
+    STOPS_WITHIN,
     assert_identical_checkpoints,
     corrupt_cases,
     dual,
@@ -91,8 +92,8 @@ def test_ctrl_c_stops_everything_and_keeps_the_checkpoint(tmp_path, no_leftovers
         os.killpg(proc.pid, signal.SIGINT)
     else:
         proc.send_signal(signal.SIGINT)
-    code, took, err = finish(proc, timeout=5)
-    assert code == 130 and took < 5
+    code, took, err = finish(proc, timeout=STOPS_WITHIN + 10)
+    assert code == 130 and took < STOPS_WITHIN
     interrupted(err, "SIGINT", ckpt)
     _, _, state = records.load_checkpoint(str(ckpt), SHAPES)
     assert state["epoch"] >= 1
