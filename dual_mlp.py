@@ -516,7 +516,7 @@ def worker(args, rank, world, dev, rundir, watchdog):
         with cli.heartbeat(report.compiling("the model", device.mode, device.name), say):
             model = mlp.Model(data, args.batch_size, args.n_hidden, args.learning_rate, args.l1,
                               args.l2, args.seed, mode=device.mode, evaluates=rank == 0)
-            progress = records.Progress.begin(model, args.resume and args.resume_copy)
+            progress = records.Progress.begin(model, world, args.resume and args.resume_copy)
             for p in model.params:
                 place(p, device.put(storage(p)))
             stop_point(rank, "start")

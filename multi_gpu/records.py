@@ -43,7 +43,8 @@ class CheckpointError(Exception):
 TRAINING_STATE = ("epoch", "best_validation_error", "test_error", "validation_errors")
 # what each entry must be: its number of dimensions and kind of number
 STATE_TYPES = {"epoch": (0, "iu"), "best_validation_error": (0, "f"), "test_error": (0, "f"),
-               "validation_errors": (1, "f"), "config": (0, "U"), "run": (0, "U")}
+               "validation_errors": (1, "f"), "epoch_workers": (1, "iu"), "config": (0, "U"),
+               "run": (0, "U")}
 
 
 def save_checkpoint(path, params, best_params, **state):
@@ -165,9 +166,12 @@ def load_checkpoint(path, shapes, state=("epoch",), raw=None):
     arrays = [saved.pop(k) for k in names]
     check_weights(path, names, arrays, shapes + shapes)
     values = state_values(path, saved)
-    if "validation_errors" in state and len(values["validation_errors"]) != values["epoch"]:
-        raise CheckpointError(f"{path}: {len(values['validation_errors'])} validation errors "
-                              f"for {values['epoch']} epochs: not a consistent checkpoint")
+    for k in ("validation_errors", "epoch_workers"):
+        if k in values and len(values[k]) != values["epoch"]:
+            raise CheckpointError(f"{path}: {len(values[k])} {k.replace('_', ' ')} for "
+                                  f"{values['epoch']} epochs: not a consistent checkpoint")
+    if not all(n > 0 for n in values.get("epoch_workers", ())):
+        raise CheckpointError(f"{path}: an epoch trained by no worker: not a consistent checkpoint")
     return arrays[:len(shapes)], arrays[len(shapes):], values
 
 
@@ -219,38 +223,44 @@ def resume_hint(args, shapes):
     return f"; resume (epoch {epoch}): {shlex.join(words + ['--resume', shown])}"
 
 
-def epoch_record(epoch, train_s, validation_error, test_error):
+def epoch_record(epoch, train_s, validation_error, test_error, workers=1):
     """One point of a run's learning curve (``--json``'s ``curve``): the
     training seconds so far (no compile, no validation), the epoch's
-    validation error, and the test error of the best-validation model so far."""
+    validation error, the test error of the best-validation model so far,
+    and the workers that trained the epoch."""
     return dict(epoch=epoch, train_s=train_s, validation_error=validation_error,
-                test_error=test_error)
+                test_error=test_error, workers=workers)
 
 
 class Progress:
     """A training run, epoch by epoch: the state a checkpoint keeps beside
-    the weights (``TRAINING_STATE``), the best-validation weights, the
-    learning curve and the steps and seconds of training so far."""
+    the weights (``TRAINING_STATE``, and the workers that trained each
+    epoch), the best-validation weights, the learning curve and the steps
+    and seconds of training so far, on ``workers`` workers in all."""
 
-    def __init__(self, params, epoch=0, best_validation_error=np.inf, test_error=np.inf,
-                 validation_errors=()):
+    def __init__(self, params, workers, epoch=0, best_validation_error=np.inf,
+                 test_error=np.inf, validation_errors=(), epoch_workers=()):
         self.epoch, self.best_validation_error, self.test_error = epoch, best_validation_error, \
             test_error
         self.validation_errors, self.best_params = list(validation_errors), params
+        self.workers, self.epoch_workers = workers, list(epoch_workers)
         self.curve, self.steps, self.train_s, self.saved = [], 0, 0.0, None  # saved: its epoch
 
     @classmethod
-    def begin(cls, model, checkpoint=None):
+    def begin(cls, model, workers, checkpoint=None):
         """A new run's progress; or the ``checkpoint``'s (a checked copy of
         --resume), its current weights set in ``model``."""
         if not checkpoint:
-            return cls(model.get_params())
+            return cls(model.get_params(), workers)
         current, best, state = load_checkpoint(checkpoint, Layout.of(model.params).shapes,
                                                TRAINING_STATE)
-        state.pop("config", None)  # the launcher compared it with this run's
+        # a checkpoint older than the count of each epoch's workers was trained by the
+        # workers its config names, all along (a resume with others was refused then)
+        config = state.pop("config", None) or {}
+        state.setdefault("epoch_workers", [config.get("workers", 0)] * state["epoch"])
         state.pop("run", None)
         model.set_params(current)
-        return cls(best, **state)
+        return cls(best, workers, **state)
 
     def trained(self, steps, seconds):
         self.steps, self.train_s = self.steps + steps, self.train_s + seconds
@@ -263,10 +273,12 @@ class Progress:
             self.best_validation_error, self.test_error = validation_error, float(test())
             self.best_params = params()
         self.epoch = epoch
-        self.curve.append(epoch_record(epoch, self.train_s, validation_error, self.test_error))
+        self.epoch_workers.append(self.workers)
+        self.curve.append(epoch_record(epoch, self.train_s, validation_error, self.test_error,
+                                       self.workers))
 
     def state(self):
-        return {k: getattr(self, k) for k in TRAINING_STATE}
+        return {k: getattr(self, k) for k in (*TRAINING_STATE, "epoch_workers")}
 
     def save(self, path, params, config, run):
         """The epoch's checkpoint, which names its ``run``; a write that fails
@@ -296,7 +308,7 @@ class Progress:
         return dict(validation_errors=self.validation_errors,
                     best_validation_error=self.best_validation_error, test_error=self.test_error,
                     epochs_run=self.steps // steps_per_epoch, steps_per_epoch=steps_per_epoch,
-                    training_time_s=self.train_s)
+                    training_time_s=self.train_s, workers_per_epoch=self.epoch_workers)
 
 
 @functools.cache  # a process's code does not change under it: git is asked once

@@ -4,7 +4,7 @@ resumes (``restart_point``: this run's last checkpoint; ``follow``: node
 0's order, on another node; ``taken``: a copy the other nodes kept, on node
 0 started again), said in words (``resumed_at``).  A checkpoint records
 the options that shape the training (``TRAINED_WITH``); a resumed run must
-be given the same, but for the learning rate.
+be given the same, but for the learning rate and the number of workers.
 """
 import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 
@@ -80,15 +80,31 @@ def check_resume(request, shapes, epochs=None, raw=None):
         raise UsageError(f"{path} was written by an older version of the demo, whose "
                          "data set fingerprint sampled 256 rows: this one cannot tell whether "
                          "it was trained on this data set; start anew")
-    fixed = [k for k in TRAINED_WITH if k != "learning_rate"]
+    fixed = [k for k in TRAINED_WITH if k not in ("learning_rate", "workers")]
     if differences(saved, request.trained_with, fixed):
         raise UsageError(f"{path} was trained otherwise: "
                          f"{differences(saved, request.trained_with, fixed)} (the checkpoint "
                          "there, this run here): resume with its options, or start anew")
+    return resumed, notices + changes(saved, request, state["epoch"] + 1)
+
+
+def changes(saved, request, epoch):
+    """Notices of what a resumed run may change from ``epoch`` on: the
+    learning rate, and the number of workers.  Worker k of N trains the
+    minibatches k, k + N, ...: with another N each worker takes another
+    share of an epoch's minibatches, and every averaged step is SGD on N
+    minibatches at once."""
+    notices = []
     if saved["learning_rate"] != request.learning_rate:
         notices.append(f"notice: the learning rate changes from {saved['learning_rate']} to "
-                       f"{request.learning_rate} at epoch {state['epoch'] + 1}")
-    return resumed, notices
+                       f"{request.learning_rate} at epoch {epoch}")
+    before, now, batch = saved["workers"], request.trained_with["workers"], request.batch_size
+    if before != now:
+        notices.append(f"notice: the workers change from {before} to {now} at epoch {epoch}: "
+                       f"worker k trains minibatches k, k + {now}, ... of each epoch, and each "
+                       f"step averages {now} of them (SGD on {now * batch:,} images a step, not "
+                       f"{before * batch:,})")
+    return notices
 
 
 # -- where a restart starts: the plan again, resuming from elsewhere ---------------------

@@ -278,7 +278,6 @@ def test_resuming_with_another_configuration_is_refused_naming_it(tmp_path, no_l
     datasets.write_pickle(((tx[::-1].copy(), ty[::-1].copy()), valid, test), str(other))
     for i, (args, words) in enumerate([
             (["cpu", "cpu", "--batch-size", 50], "--batch-size 100 there, 50 here"),
-            (["cpu", "cpu", "cpu"], "workers in all 2 there, 3 here"),
             (["cpu", "cpu", "--dataset", other, "--batch-size", 100], "data set (fingerprint)"),
             (["cpu", "cpu", "--l2", 0.01], "--l2 0.0001 there, 0.01 here")]):
         one_line(refused(capsys, *args, "--epochs", 2, "--resume", ckpt, typed=i == 0), 2,

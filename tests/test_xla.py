@@ -13,6 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
+import mlp
 from conftest import (
     PACED,
     SHAPES,
@@ -32,7 +33,8 @@ from conftest import (
     wait_until_training,
     workers_of,
 )
-from multi_gpu import records, xla_runtime
+from logistic_sgd import load_data
+from multi_gpu import datasets, records, xla_runtime
 from multi_gpu.nodes import free_port
 
 
@@ -264,6 +266,30 @@ def test_resumed_three_worker_run_equals_an_uninterrupted_one(tmp_path, exchange
     _, out = run(tmp_path, "resumed", *common, "--epochs", 2, "--resume", tmp_path / "half.npz")
     assert "resumed from" in out.stdout and "epoch 1/2:" not in out.stdout
     assert_identical_checkpoints(full, tmp_path / "resumed.npz", records.TRAINING_STATE)
+
+
+def test_a_run_resumed_on_fewer_workers_takes_their_steps_and_says_so(tmp_path, three_by_p2p):
+    """Two epochs of three workers, resumed on two: worker k trains the
+    minibatches k, k + 2, ..., and each averaged step is SGD on the 200
+    rows of minibatches 2t and 2t + 1, the step one process at batch 200
+    takes from the same weights; the checkpoint and --json count each
+    epoch's workers."""
+    three = three_by_p2p[-1]
+    summary, out = run(tmp_path, "two", "cpu", "cpu", "--epochs", 3, "--resume", three)
+    assert ("notice: the workers change from 3 to 2 at epoch 3: worker k trains minibatches "
+            "k, k + 2, ... of each epoch, and each step averages 2 of them (SGD on 200 images "
+            "a step, not 300)") in out.stdout
+    assert summary["workers_per_epoch"] == [3, 3, 2] and summary["workers"] == 2
+    assert [point["workers"] for point in summary["curve"]] == [2]  # this run's epoch
+    state = records.load_checkpoint(str(tmp_path / "two.npz"), SHAPES, ("epoch_workers",))[2]
+    assert state["epoch_workers"] == [3, 3, 2]
+    one = mlp.Model(load_data(datasets.SHIPPED), 200, 500, 0.13, 0.0, 0.0001,
+                    mode="FAST_COMPILE", evaluates=False)
+    one.set_params(records.load_checkpoint(str(three), SHAPES)[0])
+    for t in range(one.n_train_batches):
+        one.train_model(t)
+    for a, b in zip(weights(tmp_path, "two"), one.get_params()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
 
 
 def test_every_option_is_compared_at_the_lobby_or_is_a_nodes_own():
