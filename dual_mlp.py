@@ -534,7 +534,7 @@ def worker(args, rank, world, dev, rundir, watchdog):
             say(f"... resumed from {args.resume} at epoch {progress.epoch}")
 
         n_steps = trainer.n_steps
-        nodes = f" x {args.nodes} nodes" if args.nodes > 1 else ""
+        nodes = f" x {len(args.world)} nodes" if len(args.world) > 1 else ""
         say(f"... training: {world} workers on {', '.join(args.devices)}{nodes}, "
             f"{args.batch_size} images per worker per step, {cli.counted(n_steps, 'step')} per "
             f"epoch; weights through {trainer.route}")

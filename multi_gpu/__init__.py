@@ -18,6 +18,7 @@
 ``launcher``         the launcher's side: forks and stops the worker processes
 ``nodes``            several machines: the run's secret, the nodes' heartbeats
 ``lobby``            node 0's lobby: who joins, who comes back, what each node keeps
+``elastic``          --nodes MIN:MAX: a run that goes on with the nodes it has
 ``member``           every other node's membership of it: its knock, its heartbeats, what it
                      keeps of the run
 ``door``             the lobby's public socket, in a process of its own

@@ -156,6 +156,23 @@ def _number(kind, test, wanted):
 
 
 positive_int = _number(int, lambda v: v > 0, "a positive integer")
+
+
+class NodeRange(argparse.Action):
+    """``--nodes N``, or ``MIN:MAX``: ``nodes`` the most, ``min_nodes`` the
+    fewest a run goes on with (None: N, a plain ``--nodes``)."""
+
+    def __call__(self, parser, namespace, text, option_string=None):
+        low, elastic, high = text.partition(":")
+        try:
+            low, high = positive_int(low), positive_int(high if elastic else low)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        if low > high:
+            raise argparse.ArgumentError(self, f"MIN:MAX needs MIN <= MAX, got {text}")
+        namespace.nodes, namespace.min_nodes = high, low if elastic else None
+
+
 seed = _number(int, lambda v: 0 <= v < 2 ** 32, "an integer from 0 to 2**32 - 1")
 positive = _number(float, lambda v: v > 0, "a positive, finite number")
 seconds = _number(float, lambda v: 0 < v <= 1e6, "a number of seconds above 0, at most 1e6")
@@ -432,9 +449,13 @@ def add_run_options(p, timeout):
     p.add_argument("--rejoin-timeout", type=seconds, default=300, metavar="SECONDS",
                    help="--max-restarts on several machines: how long the other nodes wait "
                         "for a lost node to come back (default: %(default)s)")
-    p.add_argument("--nodes", type=positive_int, default=1,
+    p.add_argument("--nodes", action=NodeRange, default=1, metavar="N|MIN:MAX",
                    help="machines taking part, each running this launcher with its own "
-                        "devices, the same number on each (default: %(default)s)")
+                        "devices, the same number on each (default: %(default)s); MIN:MAX, "
+                        "with --max-restarts: where a node is lost for good, the run goes on "
+                        "with the others from its last checkpoint while MIN remain, as "
+                        "torchrun's --nnodes MIN:MAX")
+    p.set_defaults(min_nodes=None)
     p.add_argument("--node-rank", type=int, default=0,
                    help="this machine's number, 0..nodes-1; node 0 hosts the coordinator")
     p.add_argument("--secret-file", metavar="PATH",

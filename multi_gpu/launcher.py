@@ -26,7 +26,7 @@ import time
 import traceback
 import warnings
 
-from multi_gpu import cli, datasets, files
+from multi_gpu import cli, datasets, elastic, files
 from multi_gpu.nodes import LOST_AFTER
 from multi_gpu.worker import forget_the_launchers_state, heartbeat_path
 
@@ -288,7 +288,7 @@ def fork_workers(args, start, rundir):
     preload()
     n_local, workers = len(args.devices), []
     for i, dev in enumerate(args.devices):
-        workers.append(Worker(start, i, args.node_rank * n_local + i, dev, rundir, n_local,
+        workers.append(Worker(start, i, elastic.first_worker(args) + i, dev, rundir, n_local,
                               args.one_machine))
     for w in workers:  # once every fork is done: no thread of ours to fork beside
         w.pump.start()

@@ -67,6 +67,8 @@ class Admission:
 
     def admit(self, options, nodes, returns):
         self.options, self.nodes, self.returns = options, nodes, returns
+        self.world, self.left = tuple(range(nodes)), set()  # training now; left out (elastic)
+        self.joining = {}  # rank -> (node 0's saved epoch as it knocked, why): left, and back
         self.identities = {}  # rank -> its member's zmq identity: members by rank, at once
         self.refusals = set()
         self.returned = {}  # rank -> the words of a member of this run that came back
@@ -86,7 +88,8 @@ class Admission:
             self.say_refused(address, message, mine)
             return self.answer(frames, {"why": theirs})
         rank, kept = message["node_rank"], message.get("kept")
-        back = self.drop_lost(rank) or bool(kept)
+        joins = rank in self.left  # a node an elastic run went on without: taken back
+        back = self.drop_lost(rank) or bool(kept) or joins
         with self.lock:
             if kept and kept["run"] == self.run and kept["generation"] >= self.generation:
                 # a member of this very run that lost sight of node 0 for a moment: its
@@ -94,6 +97,8 @@ class Admission:
                 # member takes the order it missed instead)
                 self.returned.setdefault(rank, f"node {rank} ({address}) lost sight of node "
                                          "0 and knocked again")
+            if joins:  # at the end of the epoch the workers train now (``came_back``)
+                self.joining[rank] = (self.saved_epoch, f"node {rank} ({address}) came back")
             identity = frames[0].bytes
             self.members[identity] = Standing(rank, address, self.listened, self.generation)
             self.identities[rank] = identity
@@ -103,7 +108,8 @@ class Admission:
             current = self.last_order if self.standing is NodeState.RUNNING else None
             self.answer(frames, {"why": None, "jax_coordinator": self.jax_coordinator,
                                  "run": self.run, "back": back, "send_kept": theirs,
-                                 "order": current if back else None})
+                                 "order": current if back and not joins else None,
+                                 "joins": joins})
 
     def judge(self, visitor):
         """Why a visitor may not join, in its words, or (in its words, in node
@@ -147,8 +153,15 @@ class Admission:
 
     def came_back(self):
         """Why the run must start again: a member of it came back since this
-        generation began (None: none did)."""
+        generation began, or a node an elastic run went on without came back
+        and node 0 has saved an epoch since (not the last but one: the
+        workers stopped may save one more, and the last ends the run) (None:
+        neither)."""
         with self.lock:
+            for rank, (since, why) in list(self.joining.items()):
+                if since != self.saved_epoch < self.options["epochs"] - 1:
+                    self.returned[rank] = f"{why}, taken in at an epoch's end"
+                    del self.joining[rank]
             return next(iter(self.returned.values()), None)
 
 
@@ -168,16 +181,30 @@ class Roll:
         return not self.missing()
 
     def missing(self):
-        """The ranks of the nodes with no member here that stands, or whose
+        """The nodes of the world with no member here that stands, or whose
         copy of the run's checkpoint is still on its way, in words."""
-        standing = {s.rank for s in list(self.members.values()) if not s.gone()}
+        return [f"node {r}" for r in self.missing_ranks()]
+
+    def missing_ranks(self):
+        standing = set(self.standing_ranks())
         with self.lock:
             coming = {rank for rank, k in self.kept.items() if k["checkpoint"] is None}
-        return [f"node {r}" for r in range(1, self.nodes) if r not in standing - coming]
+        return [r for r in self.world[1:] if r not in standing - coming]
+
+    def standing_ranks(self):
+        """The ranks of the members here that stand."""
+        return [s.rank for s in list(self.members.values()) if not s.gone()]
+
+    def leave_out(self, ranks):
+        """An elastic run goes on without the nodes ``ranks``: their members
+        are forgotten, and one that knocks again is taken back at a restart."""
+        for rank in ranks:
+            self.drop_lost(rank)
+        self.left |= set(ranks)
 
     def unjoined(self):
         """The nodes that never joined, in words."""
-        return " and ".join(f"node {r}" for r in range(1, self.nodes) if r not in self.identities)
+        return " and ".join(f"node {r}" for r in self.world[1:] if r not in self.identities)
 
     def never_joined(self):
         """Which nodes never joined, in a sentence (None: every one did)."""
@@ -221,6 +248,7 @@ class Orders:
     def keep(self, shapes):
         self.shapes = shapes  # the model's: the checkpoints of this run are of it
         self.kept, self.last_order, self.saved = {}, None, None  # rank -> what it kept
+        self.saved_epoch = None  # of node 0's last checkpoint of this run
 
     def announced(self, rank, address, kept):
         """A knock that names what its node kept of a run not this node 0's
@@ -277,21 +305,24 @@ class Orders:
             return
         run, epoch = records.written_by(path, self.shapes, raw)
         if run == self.run:
+            self.saved_epoch = epoch
             message = {"saved": dict(run=run, epoch=epoch,
                                      checkpoint=base64.b64encode(raw).decode())}
             with self.lock:
                 self.outbox.append(json.dumps(message).encode())
 
-    def order_restart(self, generation, why, jax_coordinator, resume_epoch, checkpoint):
-        """Start the run again, every node: where JAX's coordinator listens
-        now, and the checkpoint's bytes (None: from the first epoch), which
-        the other machines may not hold."""
+    def order_restart(self, generation, why, jax_coordinator, resume_epoch, checkpoint, world):
+        """Start the run again, every node of the ``world`` (the ranks that
+        train now): where JAX's coordinator listens now, and the checkpoint's
+        bytes (None: from the first epoch), which the other machines may not
+        hold."""
         self.restart(generation)
+        self.world, self.left = tuple(world), self.left - set(world)
         if not why.startswith("node "):
             why = f"node 0 ({host_and_port(self.address)[0]}): {why}"
         order = dict(generation=generation, why=why, jax_coordinator=jax_coordinator,
-                     resume_epoch=resume_epoch, run=self.run, checkpoint=checkpoint and
-                     base64.b64encode(checkpoint).decode())
+                     resume_epoch=resume_epoch, run=self.run, world=list(world),
+                     checkpoint=checkpoint and base64.b64encode(checkpoint).decode())
         with self.lock:
             self.last_order = order
             self.outbox.append(json.dumps({"restart": order}).encode())

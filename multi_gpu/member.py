@@ -124,6 +124,7 @@ class Member(Heartbeats):
         self.jax_coordinator, self.run, self.back = answer["jax_coordinator"], answer["run"], \
             answer["back"]
         self.order = answer["order"] or self.order
+        self.joins = answer.get("joins") is True  # an elastic run's: taken in at an epoch's end
         if answer.get("send_kept") and kept and kept.get("checkpoint"):
             member.send_multipart([b"", json.dumps({"kept": kept["checkpoint"]}).encode()])
         self.node0 = Standing(0, host_and_port(self.address)[0], self.listened, self.generation)
@@ -190,6 +191,7 @@ class Member(Heartbeats):
         if "restart" in message:
             # the run's name too: a node 0 started again goes on with the run it adopted
             self.order, self.run = message["restart"], message["restart"]["run"]
+            self.joins = False
             if message["restart"]["checkpoint"]:
                 self.kept = {k: message["restart"][k] for k in ("checkpoint", "run")}
                 self.kept["epoch"] = message["restart"]["resume_epoch"]
@@ -204,10 +206,13 @@ class Member(Heartbeats):
         """Node 0's order to start again, once this node has failed, or came
         back: None where node 0 fails or is lost first, or says nothing in
         time.  While node 0 waits for a lost node to come back, so does this
-        one, and says so once."""
+        one, and says so once; one that an elastic run takes in waits for the
+        end of the epoch node 0 trains."""
         deadline, said = time.monotonic() + LOST_AFTER + 10, None
         while not (self.ordered() or self.verdict() or stopping.is_set()):
             waiting = self.node0.waiting
+            if self.joins:
+                deadline = time.monotonic() + LOST_AFTER + 10
             if waiting:
                 deadline = time.monotonic() + LOST_AFTER + 10
                 if waiting != said and not self.awaited_in(waiting):

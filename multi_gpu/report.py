@@ -8,7 +8,7 @@ import platform
 import numpy as np
 import pytensor
 
-from multi_gpu import cli, records, xla_cache
+from multi_gpu import cli, elastic, records, xla_cache
 from multi_gpu.nodes import host_and_port
 from multi_gpu.trace import WAITING
 
@@ -147,7 +147,7 @@ def timeline(args, tracer, rundir, trainer, device, say):
     if tracer.rank % n_local:
         return
     from multi_gpu import trace
-    first = args.node_rank * n_local
+    first = elastic.first_worker(args)
     traces = trace.gather(rundir, range(first, first + n_local), args.timeout)
     title = (f"python dual_mlp.py {' '.join(args.devices)}: {trainer.route}, batch "
              f"{args.batch_size} per worker")

@@ -160,6 +160,13 @@ def host_ordering(draft, world, shared, sync_asked, staged_asked):
 
 
 def check_nodes(draft):
+    draft.min_nodes = draft.min_nodes or draft.nodes
+    draft.world = tuple(range(draft.nodes))  # the nodes training now, by rank (elastic.py)
+    elastic = f"--nodes {draft.min_nodes}:{draft.nodes}: the nodes change at a checkpoint, "
+    if draft.min_nodes < draft.nodes and not draft.max_restarts:
+        raise UsageError(f"{elastic}each change a restart: give --max-restarts too")
+    if draft.min_nodes < draft.nodes and not (draft.save or draft.node_rank):
+        raise UsageError(f"{elastic}node 0's: give it --save too")
     if not 0 <= draft.node_rank < draft.nodes:
         raise UsageError(f"--node-rank {draft.node_rank} is out of range: 0..{draft.nodes - 1} "
                          f"for --nodes {draft.nodes}")
@@ -176,8 +183,8 @@ def check_nodes(draft):
 # compute or exchange: every node of a run must be given the same, or it is refused at the
 # lobby (a node that alone asked for --check, say, would wait for ever on the others).
 RUN_OPTIONS = TRAINED_WITH + ("epochs", "seed", "exchange", "sync", "avg", "steps_per_call",
-                              "staged", "nodes", "local_workers", "platform", "resume_epoch",
-                              "max_restarts", "check")
+                              "staged", "nodes", "min_nodes", "local_workers", "platform",
+                              "resume_epoch", "max_restarts", "check")
 # A node's own, which the nodes may give differently: its outputs, its waits, its place
 # (its devices count as workers per node and platform, its --resume as the resumed epoch).
 NODE_OWN = ("devices", "save", "resume", "json", "trace", "trace_from", "trace_steps",
@@ -219,7 +226,8 @@ class Plan:
     timeout: float
     max_restarts: int
     rejoin_timeout: float
-    nodes: int
+    nodes: int             # the most; and the fewest the run goes on with
+    min_nodes: int
     node_rank: int
     secret_file: str | None
     coordinator: str | None
@@ -233,6 +241,7 @@ class Plan:
     run_options: dict      # what every node must be given the same (``RUN_OPTIONS``)
     one_machine: bool      # every node on this machine
     jax_coordinator: str | None
+    world: tuple           # the nodes training now, by rank: all, or those left (elastic.py)
     checked_resume: bytes | None  # the checkpoint to resume, as read and checked
     checked_data: tuple    # the data set, as read and checked: what the workers train on
 

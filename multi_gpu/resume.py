@@ -1,17 +1,19 @@
 """Where a run resumes: a --resume checkpoint checked against the request
 (``check_resume``), and where a restart starts again, as a request that
 resumes (``restart_point``: this run's last checkpoint; ``follow``: node
-0's order, on another node; ``taken``: a copy the other nodes kept, on node
-0 started again), said in words (``resumed_at``).  A checkpoint records
-the options that shape the training (``TRAINED_WITH``); a resumed run must
-be given the same, but for the learning rate and the number of workers.
+0's order, on another node; ``adopt``: of the copies the other nodes kept,
+the one a node 0 started again takes), said in words (``resumed_at``).  A
+checkpoint records the options that shape the training (``TRAINED_WITH``);
+a resumed run must be given the same, but for the learning rate and the
+number of workers.
 """
 import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 
 import base64
 import dataclasses
+import sys
 
-from multi_gpu import datasets, records
+from multi_gpu import cli, datasets, elastic, records
 from multi_gpu.cli import UsageError
 
 # the options that shape the training: a checkpoint records them, and every
@@ -126,6 +128,10 @@ def follow(plan, order, shapes):
     this model, at the epoch the order names).  Returns (the plan that
     resumes there, where in words)."""
     raw = order["checkpoint"] and base64.b64decode(order["checkpoint"])
+    world = order.get("world", plan.world)
+    if plan.node_rank not in world:
+        raise UsageError(f"node 0 goes on without this node (nodes {', '.join(map(str, world))})")
+    plan = elastic.regroup(plan, world)[0]
     plan = dataclasses.replace(plan, jax_coordinator=order["jax_coordinator"],
                                resume_epoch=order["resume_epoch"], checked_resume=raw or None,
                                resume="node 0's checkpoint" if raw else None)
@@ -174,3 +180,45 @@ def resumed_at(plan):
     where = f"from {plan.resume} at epoch {plan.resume_epoch}" if plan.resume else \
         "from the first epoch"
     return plan, where + moved
+
+
+def adopt(plan, shapes, link):
+    """Node 0 started again goes on with the run the others kept: its name,
+    and the newest copy of its last checkpoint that checks out (as --resume
+    does), or where it began.  The copies are checked against each other
+    too (``agreed``); a copy not taken is said, with why.  Returns (the plan
+    that resumes there, where in words); CheckpointError where none
+    checks out."""
+    for kept in agreed(link.kept_by_others(every=True)):
+        try:
+            resumed = taken(plan, shapes, kept)
+        except records.CheckpointError as e:
+            cli.say(f"node 0: {e}: its copy is not taken", file=sys.stderr)
+            continue
+        link.adopt(resumed[0].run_id)
+        return resumed
+    raise records.CheckpointError("no copy of the run's checkpoint that the other nodes kept "
+                                  "checks out (see above)")
+
+
+def agreed(copies):
+    """The copies of the run's checkpoint the other nodes kept (newest
+    first), one of each content: at each epoch the one most nodes hold;
+    one that others of its epoch contradict is said and left out, and where
+    as many hold each, none of that epoch is taken."""
+    groups = {}
+    for kept in copies:
+        at = (kept["generation"], kept.get("epoch") or 0)
+        groups.setdefault(at, {}).setdefault(kept["checkpoint"], []).append(kept["who"])
+    for at, held in groups.items():  # newest first, as the copies came
+        ranked = sorted(held.values(), key=len, reverse=True)
+        if len(ranked) > 1:
+            tie = len(ranked[0]) == len(ranked[1])
+            cli.say(f"node 0: the copies of the run's checkpoint at epoch {at[1]} differ: "
+                    + "; ".join(" and ".join(who) + "'s" for who in ranked)
+                    + (": as many nodes hold each, so none is taken" if tie else
+                       f": {' and '.join(ranked[0])}'s, held by more, is taken"),
+                    file=sys.stderr)
+            if tie:
+                continue
+        yield next(k for k in copies if k["who"] == ranked[0][0])

@@ -43,6 +43,7 @@ import time
 
 from multi_gpu import cli, files, records
 from multi_gpu.cli import UsageError
+from multi_gpu.elastic import regroup
 from multi_gpu.files import NoRunFolder, private_coordinator, run_folder
 from multi_gpu.hooks import fault_point, request_stop, stopping
 from multi_gpu.launcher import (
@@ -57,7 +58,7 @@ from multi_gpu.launcher import (
 )
 from multi_gpu.member import NoAnswer
 from multi_gpu.nodes import LOST_AFTER, SECRET_VARIABLE, NodeState, free_port, host_and_port
-from multi_gpu.resume import follow, restart_point, taken
+from multi_gpu.resume import adopt, follow, restart_point
 
 
 class State(enum.Enum):
@@ -311,10 +312,12 @@ class Supervisor:
         0's address, with what it kept of the run, until node 0 is back."""
         plan, link, why = self.plan, self.link, self.outcome.why
         if self.member:
+            elastic = " (an elastic run goes on without any node but node 0, whose address " \
+                "is the run's)" if plan.min_nodes < plan.nodes else ""
             cli.say(f"{why}: waiting up to {plan.rejoin_timeout:g} s for node 0 to come back "
-                    f"at {plan.coordinator} (its command again, there or on a replacement "
-                    f"machine at that address, with the run's secret in {SECRET_VARIABLE} or "
-                    "--secret-file)", file=sys.stderr)
+                    f"at {plan.coordinator}{elastic} (its command again, there or on a "
+                    f"replacement machine at that address, with the run's secret in "
+                    f"{SECRET_VARIABLE} or --secret-file)", file=sys.stderr)
             try:
                 link.rejoin(plan.rejoin_timeout)
             except NoAnswer as e:
@@ -336,9 +339,23 @@ class Supervisor:
                 raise RunEnds(f"{why}; interrupted while waiting for "
                               f"{' and '.join(link.missing())}")
             if time.monotonic() > deadline:
-                raise RunEnds(f"{why}; {' and '.join(link.missing())} did not come back "
-                              f"within {plan.rejoin_timeout:g} s (--rejoin-timeout)")
+                return self.go_on_without(link.missing_ranks())
             time.sleep(0.05)
+        return State.RESTARTING
+
+    def go_on_without(self, ranks):
+        """Node 0, --rejoin-timeout past: an elastic run goes on without the
+        nodes ``ranks`` while --nodes MIN are left, from its last checkpoint;
+        any other run ends."""
+        plan, why = self.plan, self.outcome.why
+        gone = f"{' and '.join(f'node {r}' for r in ranks)} did not come back within " \
+            f"{plan.rejoin_timeout:g} s (--rejoin-timeout)"
+        if len(plan.world) - len(ranks) < plan.min_nodes:
+            fewest = f": fewer than {plan.min_nodes} nodes (--nodes " \
+                f"{plan.min_nodes}:{plan.nodes}) are left" if plan.min_nodes < plan.nodes else ""
+            raise RunEnds(f"{why}; {gone}{fewest}")
+        self.link.leave_out(ranks)
+        self.outcome = dataclasses.replace(self.outcome, why=f"{why}; {gone}", lost=False)
         return State.RESTARTING
 
     # -- RESTARTING ----------------------------------------------------------------------
@@ -368,10 +385,16 @@ class Supervisor:
         kept = link.kept_by_others()
         generation = (kept["generation"] if kept else link.generation) + 1
         if kept:
-            self.plan, resumed = adopt(self.plan, self.shapes, link)
+            try:
+                self.plan, resumed = adopt(self.plan, self.shapes, link)
+            except records.CheckpointError as e:
+                raise RunEnds(str(e)) from None
             return Restart(generation, why, resumed,
                            f"node 0 ({host_and_port(self.plan.coordinator)[0]}) came back")
         why = f"{why}, and came back" if self.outcome.lost else why
+        if self.plan.min_nodes < self.plan.nodes:  # elastic: the nodes standing now
+            self.plan, changes = regroup(self.plan, [0, *link.standing_ranks()])
+            why = f"{why}: {changes}" if changes else why
         try:
             self.plan, resumed = restart_point(self.plan, self.shapes)
             return Restart(generation, why, resumed, why)
@@ -407,7 +430,8 @@ class Supervisor:
         self.plan = plan
         if plan.nodes > 1:
             link.order_restart(again.generation, again.told, plan.jax_coordinator,
-                               plan.resume_epoch, plan.checked_resume if plan.resume else None)
+                               plan.resume_epoch, plan.checked_resume if plan.resume else None,
+                               plan.world)
         else:
             link.restart(again.generation)
 
@@ -439,44 +463,3 @@ def used_up(why, plan):
     where it had restarts to use (none asked for says nothing new)."""
     return f"{why}; the run's restarts are used up (--max-restarts {plan.max_restarts})" \
         if plan.max_restarts else why
-
-
-def adopt(plan, shapes, link):
-    """Node 0 started again goes on with the run the others kept: its name,
-    and the newest copy of its last checkpoint that checks out (as --resume
-    does), or where it began.  The copies are checked against each other
-    too (``agreed``); a copy not taken is said, with why.  Returns (the plan
-    that resumes there, where in words)."""
-    for kept in agreed(link.kept_by_others(every=True)):
-        try:
-            resumed = taken(plan, shapes, kept)
-        except records.CheckpointError as e:
-            cli.say(f"node 0: {e}: its copy is not taken", file=sys.stderr)
-            continue
-        link.adopt(resumed[0].run_id)
-        return resumed
-    raise RunEnds("no copy of the run's checkpoint that the other nodes kept checks out (see "
-                  "above)")
-
-
-def agreed(copies):
-    """The copies of the run's checkpoint the other nodes kept (newest
-    first), one of each content: at each epoch the one most nodes hold;
-    one that others of its epoch contradict is said and left out, and where
-    as many hold each, none of that epoch is taken."""
-    groups = {}
-    for kept in copies:
-        at = (kept["generation"], kept.get("epoch") or 0)
-        groups.setdefault(at, {}).setdefault(kept["checkpoint"], []).append(kept["who"])
-    for at, held in groups.items():  # newest first, as the copies came
-        ranked = sorted(held.values(), key=len, reverse=True)
-        if len(ranked) > 1:
-            tie = len(ranked[0]) == len(ranked[1])
-            cli.say(f"node 0: the copies of the run's checkpoint at epoch {at[1]} differ: "
-                    + "; ".join(" and ".join(who) + "'s" for who in ranked)
-                    + (": as many nodes hold each, so none is taken" if tie else
-                       f": {' and '.join(ranked[0])}'s, held by more, is taken"),
-                    file=sys.stderr)
-            if tie:
-                continue
-        yield next(k for k in copies if k["who"] == ranked[0][0])

@@ -22,7 +22,7 @@ import time
 import traceback
 import types
 
-from multi_gpu import cli, files
+from multi_gpu import cli, elastic, files
 from multi_gpu.hooks import fault_point, request_stop, stopping
 
 
@@ -284,7 +284,7 @@ def run_worker(work, index, launcher_pid, rundir, one_line_errors):
     args = the_request(rundir)
     if args is None:  # the launcher went (or stopped us) before its request came
         return quit_now(128 + signal.SIGTERM)
-    rank, world = args.node_rank * len(args.devices) + index, args.nodes * len(args.devices)
+    rank, world = elastic.first_worker(args) + index, elastic.workers(args)
     # PyTensor writes every compiled graph's Python source to a temporary file
     # it never removes: this worker's go into the run folder, which goes with the run
     tempfile.tempdir = os.path.join(rundir, f"tmp-{index}")

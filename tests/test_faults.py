@@ -384,7 +384,7 @@ def test_node_0_started_again_takes_the_newest_kept_copy_that_checks_out(capsys)
     import types
 
     import dual_mlp
-    from multi_gpu import request, supervisor
+    from multi_gpu import request, resume
     raw = (two_epochs() / "m.npz").read_bytes()
     run, epoch = records.written_by("m.npz", SHAPES, raw)
     plan, _ = request.check_request(
@@ -397,7 +397,7 @@ def test_node_0_started_again_takes_the_newest_kept_copy_that_checks_out(capsys)
                    epoch=epoch, checkpoint=base64.b64encode(raw).decode())]
     adopted = []
     link = types.SimpleNamespace(kept_by_others=lambda every: copies, adopt=adopted.append)
-    resumed, words = supervisor.adopt(plan, SHAPES, link)
+    resumed, words = resume.adopt(plan, SHAPES, link)
     assert words == f"from node 1's copy of the run's checkpoint at epoch {epoch}"
     assert resumed.run_id == run and resumed.resume_epoch == epoch and adopted == [run]
     assert resumed.checked_resume == raw and plan.resume is None  # a new plan; the old as it was

@@ -201,7 +201,7 @@ def test_kept_copies_are_checked_against_each_other(capsys):
     at the newest epoch the copy more nodes hold is taken first, and the one
     that disagrees is said; where as many hold each, none of that epoch is
     taken (the next older is), and that is said too."""
-    from multi_gpu.supervisor import agreed
+    from multi_gpu.resume import agreed
 
     def copy(who, epoch, content):
         return dict(who=who, generation=0, epoch=epoch, checkpoint=content)
