@@ -106,6 +106,18 @@ def phases(step_us):
             f"{WAITING} {{waiting:.0f}} us").format(**step_us)
 
 
+def worlds(epoch_workers):
+    """'3 (epochs 1-2), 2 (epochs 3-12), 3 (epochs 13-24)': how many workers
+    trained each epoch, in spans of epochs."""
+    spans = []
+    for epoch, n in enumerate(epoch_workers, 1):
+        if spans and spans[-1][0] == n:
+            spans[-1][2] = epoch
+        else:
+            spans.append([n, epoch, epoch])
+    return ", ".join(f"{n} (epoch{f's {a}-{b}' if b > a else f' {a}'})" for n, a, b in spans)
+
+
 def summarise(args, progress, trainer, n_steps, world, wall, device, say, speeds):
     """Worker 0's closing lines past its speed (``speeds``: ``speed``'s),
     and the --json summary."""
@@ -118,6 +130,8 @@ def summarise(args, progress, trainer, n_steps, world, wall, device, say, speeds
             f"{averaged['average_every']} steps and at each epoch's end), {spent}")
     if args.check:
         say(f"max difference between the replicas after an exchange: {trainer.max_diff:g}")
+    if len(set(progress.epoch_workers)) > 1:  # resumed, or elastic, on another number
+        say(f"The workers of each epoch: {worlds(progress.epoch_workers)}")
     if not args.json:
         return
     summary = dict(

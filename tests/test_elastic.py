@@ -146,6 +146,8 @@ def test_a_node_lost_for_good_leaves_the_others_training_and_its_return_is_taken
     shrunk, grown = (int(r.fullmatch(line)[2]) for r, line in
                      zip((shrink, grow), node0["err"].splitlines()[-2:]))
     assert 2 <= shrunk < grown < EPOCHS - 1
+    assert (f"The workers of each epoch: 3 (epochs 1-{shrunk}), 2 (epochs {shrunk + 1}-{grown}), "
+            f"3 (epochs {grown + 1}-{EPOCHS})\n") in node0["out"]
     ckpt = folder / "elastic" / "m.npz"
     state = records.load_checkpoint(str(ckpt), SHAPES, ("epoch_workers",))[2]
     assert state["epoch_workers"] == [3] * shrunk + [2] * (grown - shrunk) + [3] * (EPOCHS - grown)

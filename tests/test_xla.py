@@ -280,6 +280,7 @@ def test_a_run_resumed_on_fewer_workers_takes_their_steps_and_says_so(tmp_path, 
             "k, k + 2, ... of each epoch, and each step averages 2 of them (SGD on 200 images "
             "a step, not 300)") in out.stdout
     assert summary["workers_per_epoch"] == [3, 3, 2] and summary["workers"] == 2
+    assert "The workers of each epoch: 3 (epochs 1-2), 2 (epoch 3)\n" in out.stdout
     assert [point["workers"] for point in summary["curve"]] == [2]  # this run's epoch
     state = records.load_checkpoint(str(tmp_path / "two.npz"), SHAPES, ("epoch_workers",))[2]
     assert state["epoch_workers"] == [3, 3, 2]
