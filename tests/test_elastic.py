@@ -11,6 +11,7 @@ import concurrent.futures
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 
@@ -30,7 +31,7 @@ from conftest import (
 from multi_gpu import records
 from multi_gpu.nodes import free_port
 
-EPOCHS = 24  # the loss, the wait and the return each take some epochs of the paced run
+EPOCHS = 36  # the loss, the wait and the return (a start-up: slow on a busy machine) take epochs
 ELASTIC = ("--nodes", "2:3", "--max-restarts", 3, "--rejoin-timeout", 4)
 
 
@@ -43,8 +44,11 @@ class Node:
         self.proc = start_dual("cpu", *ELASTIC, "--node-rank", rank, "--coordinator",
                                coordinator, *args, *own, env=dict(PACED, DUAL_MLP_SECRET=SECRET),
                                host=host, cwd=cwd)
-        for stream, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
-            threading.Thread(target=lines.extend, args=(stream,), daemon=True).start()
+        self.readers = [threading.Thread(target=lines.extend, args=(stream,), daemon=True)
+                        for stream, lines in ((self.proc.stdout, self.out),
+                                              (self.proc.stderr, self.err))]
+        for reader in self.readers:
+            reader.start()
 
     def said(self, words, stream="out", count=1, timeout=240):
         """Wait until ``count`` of its lines hold ``words``."""
@@ -56,7 +60,15 @@ class Node:
             time.sleep(0.05)
 
     def ended(self, timeout=240):
-        code, _, _ = finish(self.proc, timeout)
+        """Its exit code and all it said (killed, a failed test, past ``timeout``)."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise AssertionError(f"node {self.rank} still running after {timeout} s: "
+                                 f"{''.join(self.err)}") from None
+        for reader in self.readers:
+            reader.join()
         return dict(code=code, out="".join(self.out), err="".join(self.err))
 
 
