@@ -211,13 +211,11 @@ class Member(Heartbeats):
         deadline, said = time.monotonic() + LOST_AFTER + 10, None
         while not (self.ordered() or self.verdict() or stopping.is_set()):
             waiting = self.node0.waiting
-            if self.joins:
+            if waiting or self.joins:
                 deadline = time.monotonic() + LOST_AFTER + 10
-            if waiting:
-                deadline = time.monotonic() + LOST_AFTER + 10
-                if waiting != said and not self.awaited_in(waiting):
-                    cli.say(f"node {self.node_rank}: {waiting}", file=sys.stderr)
-                    said = waiting
+            if waiting and waiting != said and not self.awaited_in(waiting):
+                cli.say(f"node {self.node_rank}: {waiting}", file=sys.stderr)
+                said = waiting
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)

@@ -6,7 +6,8 @@ ends a launch and how a restart goes named records, and one loop,
 
     STARTING    fork a worker per device, make the run folder, leave the request
     TRAINING    watch them, and the other nodes, until they end, or something fails
-    WAITING     for a lost node to come back (--max-restarts, --rejoin-timeout)
+    WAITING     for a lost node to come back (--max-restarts, --rejoin-timeout);
+                an elastic run (--nodes MIN:MAX) then goes on without it
     RESTARTING  from the run's last checkpoint, every node, one line each
     FINISHED    exit 0
     FAILED      one line: what failed, where, and how to resume
