@@ -24,7 +24,7 @@ import dataclasses
 def first_worker(args):
     """The rank of this node's first worker: its place in the world, times
     the workers a node runs."""
-    return list(args.world).index(args.node_rank) * len(args.devices)
+    return args.world.index(args.node_rank) * len(args.devices)
 
 
 def workers(args):

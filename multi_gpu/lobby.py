@@ -67,7 +67,7 @@ class Admission:
 
     def admit(self, options, nodes, returns):
         self.options, self.nodes, self.returns = options, nodes, returns
-        self.world, self.left = tuple(range(nodes)), set()  # training now; left out (elastic)
+        self.world = tuple(range(nodes))  # the ranks training now: all, or fewer (elastic)
         self.joining = {}  # rank -> (node 0's saved epoch as it knocked, why): left, and back
         self.identities = {}  # rank -> its member's zmq identity: members by rank, at once
         self.refusals = set()
@@ -88,7 +88,7 @@ class Admission:
             self.say_refused(address, message, mine)
             return self.answer(frames, {"why": theirs})
         rank, kept = message["node_rank"], message.get("kept")
-        joins = rank in self.left  # a node an elastic run went on without: taken back
+        joins = rank not in self.world  # a node an elastic run went on without: taken back
         back = self.drop_lost(rank) or bool(kept) or joins
         with self.lock:
             if kept and kept["run"] == self.run and kept["generation"] >= self.generation:
@@ -200,7 +200,7 @@ class Roll:
         are forgotten, and one that knocks again is taken back at a restart."""
         for rank in ranks:
             self.drop_lost(rank)
-        self.left |= set(ranks)
+        self.world = tuple(r for r in self.world if r not in ranks)
 
     def unjoined(self):
         """The nodes that never joined, in words."""
@@ -317,7 +317,7 @@ class Orders:
         bytes (None: from the first epoch), which the other machines may not
         hold."""
         self.restart(generation)
-        self.world, self.left = tuple(world), self.left - set(world)
+        self.world = tuple(world)
         if not why.startswith("node "):
             why = f"node 0 ({host_and_port(self.address)[0]}): {why}"
         order = dict(generation=generation, why=why, jax_coordinator=jax_coordinator,

@@ -2,6 +2,7 @@
 closing lines and the ``--json`` summary of ``dual_mlp.py``."""
 import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTensor's flags)
 
+import itertools
 import os
 import platform
 
@@ -109,13 +110,10 @@ def phases(step_us):
 def worlds(epoch_workers):
     """'3 (epochs 1-2), 2 (epochs 3-12), 3 (epochs 13-24)': how many workers
     trained each epoch, in spans of epochs."""
-    spans = []
-    for epoch, n in enumerate(epoch_workers, 1):
-        if spans and spans[-1][0] == n:
-            spans[-1][2] = epoch
-        else:
-            spans.append([n, epoch, epoch])
-    return ", ".join(f"{n} (epoch{f's {a}-{b}' if b > a else f' {a}'})" for n, a, b in spans)
+    spans = [(n, [epoch for epoch, _ in span]) for n, span in
+             itertools.groupby(enumerate(epoch_workers, 1), key=lambda point: point[1])]
+    return ", ".join(f"{n} (epoch{f's {e[0]}-{e[-1]}' if len(e) > 1 else f' {e[0]}'})"
+                     for n, e in spans)
 
 
 def summarise(args, progress, trainer, n_steps, world, wall, device, say, speeds):
