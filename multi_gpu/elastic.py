@@ -20,6 +20,21 @@ import multi_gpu.flags as flags  # noqa: F401  (first: THEANO_FLAGS onto PyTenso
 
 import dataclasses
 
+from multi_gpu.cli import UsageError
+
+
+def check_range(draft):
+    """What an elastic run needs: each change is a restart, from node 0's
+    checkpoint, and the fewest nodes still hold two workers."""
+    elastic = f"--nodes {draft.min_nodes}:{draft.nodes}: the nodes change at a checkpoint, "
+    if not draft.max_restarts:
+        raise UsageError(f"{elastic}each change a restart: give --max-restarts too")
+    if not (draft.save or draft.node_rank):
+        raise UsageError(f"{elastic}node 0's: give it --save too")
+    if draft.min_nodes * (len(draft.devices) or 2) < 2:  # no devices named: two a node
+        raise UsageError(f"{elastic}and {draft.min_nodes} node of one worker would train "
+                         "alone: give MIN 2, or each node two devices (e.g. 'cpu cpu')")
+
 
 def first_worker(args):
     """The rank of this node's first worker: its place in the world, times

@@ -100,7 +100,10 @@ class Admission:
             if joins:  # at the end of the epoch the workers train now (``came_back``)
                 self.joining[rank] = (self.saved_epoch, f"node {rank} ({address}) came back")
             identity = frames[0].bytes
-            self.members[identity] = Standing(rank, address, self.listened, self.generation)
+            # heard from at the generation it beats: a node started again beats 0 until it
+            # follows an order, and one an elastic run takes in waits a while for it
+            self.members[identity] = Standing(rank, address, self.listened,
+                                              kept["generation"] if kept else 0)
             self.identities[rank] = identity
             theirs = self.announced(rank, address, kept)
             # back: it takes the order node 0's workers run now, or waits for the next (none
@@ -159,7 +162,13 @@ class Admission:
         neither)."""
         with self.lock:
             for rank, (since, why) in list(self.joining.items()):
-                if since != self.saved_epoch < self.options["epochs"] - 1:
+                standing = self.members.get(self.identities.get(rank))
+                if standing is None or standing.gone():  # lost again while it waited
+                    self.drop_lost(rank)
+                    del self.joining[rank]
+                    cli.say(f"node 0: {why}, and was lost again before it was taken in: the "
+                            f"run goes on with {cli.counted(len(self.world), 'node')}")
+                elif since != self.saved_epoch < self.options["epochs"] - 1:
                     self.returned[rank] = f"{why}, taken in at an epoch's end"
                     del self.joining[rank]
             return next(iter(self.returned.values()), None)
@@ -170,7 +179,9 @@ class Roll:
     heard from its heartbeats; whom node 0 still waits for."""
 
     def standings(self):
-        return list(self.members.values())
+        """The members of the world: a node waiting to be taken in is none yet
+        (``came_back``)."""
+        return [s for s in list(self.members.values()) if s.rank in self.world]
 
     def beat(self, message):
         for identity in list(self.members):
@@ -316,8 +327,8 @@ class Orders:
         train now): where JAX's coordinator listens now, and the checkpoint's
         bytes (None: from the first epoch), which the other machines may not
         hold."""
-        self.restart(generation)
         self.world = tuple(world)
+        self.restart(generation)
         if not why.startswith("node "):
             why = f"node 0 ({host_and_port(self.address)[0]}): {why}"
         order = dict(generation=generation, why=why, jax_coordinator=jax_coordinator,

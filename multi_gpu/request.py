@@ -21,6 +21,7 @@ import pytensor
 from multi_gpu import cli, datasets, files, lobby, locks, member, memory, records, xla_runtime
 from multi_gpu.cli import UsageError
 from multi_gpu.devices import cpu_notices, peer_access, usable_gpus
+from multi_gpu.elastic import check_range
 from multi_gpu.files import NoRunFolder, private_coordinator, run_folder
 from multi_gpu.hooks import fault_spec_problem
 from multi_gpu.nodes import check_port, free_port, host_and_port, on_loopback
@@ -162,11 +163,8 @@ def host_ordering(draft, world, shared, sync_asked, staged_asked):
 def check_nodes(draft):
     draft.min_nodes = draft.min_nodes or draft.nodes
     draft.world = tuple(range(draft.nodes))  # the nodes training now, by rank (elastic.py)
-    elastic = f"--nodes {draft.min_nodes}:{draft.nodes}: the nodes change at a checkpoint, "
-    if draft.min_nodes < draft.nodes and not draft.max_restarts:
-        raise UsageError(f"{elastic}each change a restart: give --max-restarts too")
-    if draft.min_nodes < draft.nodes and not (draft.save or draft.node_rank):
-        raise UsageError(f"{elastic}node 0's: give it --save too")
+    if draft.min_nodes < draft.nodes:
+        check_range(draft)
     if not 0 <= draft.node_rank < draft.nodes:
         raise UsageError(f"--node-rank {draft.node_rank} is out of range: 0..{draft.nodes - 1} "
                          f"for --nodes {draft.nodes}")

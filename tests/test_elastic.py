@@ -191,6 +191,9 @@ def test_a_run_whose_node_0_is_lost_waits_for_node_0_alone(runs):
      "--max-restarts too"),
     (["--nodes", "2:3", "--coordinator", "127.0.0.1:29500", "--max-restarts", "1"],
      "--nodes 2:3: the nodes change at a checkpoint, node 0's: give it --save too"),
+    (["--nodes", "1:2", "--coordinator", "127.0.0.1:29500", "--max-restarts", "1", "--save",
+      "m.npz"], "--nodes 1:2: the nodes change at a checkpoint, and 1 node of one worker would "
+     "train alone: give MIN 2, or each node two devices (e.g. 'cpu cpu')"),
 ])
 def test_an_elastic_run_is_refused_without_what_it_needs(args, words, capsys):
     out = refused(capsys, "cpu", *args)

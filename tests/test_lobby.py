@@ -229,3 +229,34 @@ def test_a_node_that_came_back_does_not_repeat_that_node_0_waits_for_it():
     assert node1.awaited_in(lost.format(1, 2, "node 2 and node 1"))
     assert not node1.awaited_in(lost.format(2, 3, "node 2"))
     assert not node1.awaited_in(lost.format(1, 2, "node 11"))
+
+
+def test_a_node_waiting_to_be_taken_in_is_heard_and_one_lost_again_is_let_go(capsys):
+    """An elastic run that went on without nodes 2 and 3 (restart 1: the
+    world is nodes 0 and 1), their commands started again: each knocks as
+    a new process (its heartbeats say generation 0), and waits to be taken
+    in at node 0's next save.  Node 0 hears it all that while (it was named
+    lost after 5 s, and the run restarted for nobody); node 3, lost again
+    before it is taken in, is let go in one line and the run is untouched;
+    node 2 is taken in at the next save."""
+    from conftest import SHAPES
+    from multi_gpu.lobby import Lobby
+    from multi_gpu.member import Member
+
+    secret, address, options = secrets.token_urlsafe(24), f"127.0.0.1:{free_port()}", {"epochs": 9}
+    with Lobby(address, options, 4, secret, "127.0.0.1:1", run="r", returns=True,
+               shapes=SHAPES) as lobby:
+        lobby.leave_out([2, 3])
+        lobby.order_restart(1, "nodes 2 and 3 lost", "127.0.0.1:1", 2, None, (0, 1))
+        lobby.saved_epoch = 2
+        time.sleep(0.5)  # the order gone out to the members it had
+        with Member(address, 2, options, 10, secret) as node2:
+            with Member(address, 3, options, 10, secret) as node3:
+                assert node2.joins and node3.joins
+            time.sleep(LOST_AFTER + 2)
+            assert lobby.verdict() is None and lobby.came_back() is None
+            assert "node 0: node 3 (127.0.0.1) came back, and was lost again before it was " \
+                "taken in: the run goes on with 2 nodes" in capsys.readouterr().out
+            assert lobby.standing_ranks() == [2]
+            lobby.saved_epoch = 3
+            assert lobby.came_back() == "node 2 (127.0.0.1) came back, taken in at an epoch's end"
