@@ -178,15 +178,15 @@ def dual_mlp(*args, json_path, env=None):
         return json.load(f)
 
 
-def needed(name, requirements="requirements-test.txt"):
+def needed(name, install="pip install -r requirements-test.txt"):
     """The module ``name``, or, where it is not installed, one line that says
-    which requirements bring it, and exit 2 (a benchmark, not a traceback)."""
+    how to install it, and exit 2 (a benchmark, not a traceback)."""
     import importlib
     try:
         return importlib.import_module(name)
     except ImportError:
-        print(f"{prog()}: error: it needs {name}, which is not installed: pip install -r "
-              f"{requirements}", file=sys.stderr)
+        print(f"{prog()}: error: it needs {name}, which is not installed: {install}",
+              file=sys.stderr)
         sys.exit(2)
 
 

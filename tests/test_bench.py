@@ -289,20 +289,32 @@ def test_a_gpu_benchmark_without_a_gpu_is_one_line_and_writes_nothing(tmp_path, 
     assert not (tmp_path / "results").exists()
 
 
-def test_a_benchmark_without_a_test_requirement_says_which_in_one_line():
-    """bench.lobby after requirements.txt alone (psutil hidden here): one
-    line naming what to install, exit 2, no traceback."""
+@pytest.mark.parametrize("name,hidden,install", [
+    ("lobby", "psutil", "pip install -r requirements-test.txt"),
+    ("elastic", "torch", "pip install torch --index-url https://download.pytorch.org/whl/cpu "
+                         "(its CPU build)"),
+])
+def test_a_benchmark_without_what_it_needs_says_how_to_install_it_in_one_line(name, hidden,
+                                                                              install, tmp_path):
+    """bench.lobby after requirements.txt alone, bench.elastic without
+    PyTorch (each hidden here): one line naming what to install, exit 2, no
+    traceback, nothing written (the --out folder is made, empty, as the
+    arguments are checked: a run must not find it unwritable at its end)."""
     import subprocess
     import sys
 
+    from bench.testhosts import why_no_test_hosts
     from conftest import ROOT, environment
-    out = subprocess.run([sys.executable, "-c", "import sys, runpy; sys.modules['psutil'] = None; "
-                          "runpy.run_module('bench.lobby', run_name='__main__', alter_sys=True)",
-                          "--help"], cwd=ROOT, env=environment(), capture_output=True, text=True,
-                         timeout=60)
+    if name == "elastic" and why_no_test_hosts():
+        pytest.skip(f"bench.elastic says first: {why_no_test_hosts()}")
+    out = subprocess.run([sys.executable, "-c", f"import sys, runpy; sys.modules['{hidden}'] = "
+                          f"None; runpy.run_module('bench.{name}', run_name='__main__', "
+                          "alter_sys=True)", "--out", tmp_path / "out"], cwd=ROOT,
+                         env=environment(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
-        "python -m bench.lobby: error: it needs psutil, which is not installed: pip install -r "
-        "requirements-test.txt"], out.stderr
+        f"python -m bench.{name}: error: it needs {hidden}, which is not installed: {install}"], \
+        out.stderr
+    assert not [path for path in tmp_path.rglob("*") if path.is_file()]
 
 
 def test_trace_cost_cpu_times_the_same_run_with_and_without_the_trace(clone):
