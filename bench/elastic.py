@@ -290,15 +290,16 @@ def summary(document):
                    for name in ("demo", "torchrun"))
 
     def ended(f):
-        codes = "" if set(f["exit_codes"]) == {0} else f" (exit codes {f['exit_codes']})"
-        off = f["max_difference_to_oracle"]
-        return (f"as its oracle, bit for bit{codes}" if off == 0 else
-                f"off its oracle by up to {off:.0e}{codes}")
-    return (f"{measured_by(document)}: node 1 of 2 lost, `--nodes 1:2` trained again after "
-            f"{demo['shrunk_after_s']:.1f} s, torchrun `--nnodes 1:2` after "
-            f"{torch['shrunk_after_s']:.1f} s; its command started again, after "
-            f"{demo['grown_after_s']:.1f} s and {torch['grown_after_s']:.1f} s; the demo ends "
-            f"{ended(demo)}, torchrun {ended(torch)}.")
+        off, codes = f["max_difference_to_oracle"], f["exit_codes"]
+        return ("as its oracle, bit for bit" if off == 0 else
+                f"off its oracle by up to {off:.0e}") + \
+            ("" if set(codes) == {0} else f" (exit codes {', '.join(map(str, codes))})")
+    ends = f"each ends {ended(demo)}" if ended(demo) == ended(torch) else \
+        f"the demo ends {ended(demo)}, torchrun {ended(torch)}"
+    return (f"{measured_by(document)}: node 1 lost, `--nodes 1:2` trained again after "
+            f"{demo['shrunk_after_s']:.1f} s (torchrun `--nnodes 1:2`: "
+            f"{torch['shrunk_after_s']:.1f} s), and {demo['grown_after_s']:.1f} s after its "
+            f"command started again ({torch['grown_after_s']:.1f} s); {ends}.")
 
 
 def main():

@@ -215,10 +215,10 @@ def summary(document):
                    if f["node"] == node)
     back = {f["node"]: f for f in document.get("returns", [])}
     codes = sorted({c for f in back.values() for c in f["exit_codes"]})
-    return (f"{measured_by(document)}: node 1 lost, named within {slowest(1):.1f} s; node 0 "
-            f"lost, within {slowest(0):.1f} s; a killed node started again trained after "
+    return (f"{measured_by(document)}: node 1 lost, named within {slowest(1):.1f} s, node 0 "
+            f"within {slowest(0):.1f} s; a killed node started again trained after "
             f"{back[1]['training_again_after_s']:.1f} s (node 1), "
-            f"{back[0]['training_again_after_s']:.1f} s (node 0), all ending exit "
+            f"{back[0]['training_again_after_s']:.1f} s (node 0); all exit "
             f"{' or '.join(map(str, codes))}{under_load(document)}.")
 
 
@@ -226,7 +226,7 @@ def under_load(document):
     """Where the figures were taken: the machine's cores and load (an older
     record, without it, says nothing)."""
     load, cores = document.get("load"), document["machine"].get("cores")
-    return f", {cores} cores at load {load['start']:.1f} as it started" if load and cores else ""
+    return f" ({cores} cores, load {load['start']:.1f} at the start)" if load and cores else ""
 
 
 def main():

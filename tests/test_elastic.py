@@ -5,7 +5,8 @@ killed, the run goes on with nodes 0 and 1 once --rejoin-timeout is past;
 node 2's command started again later, it is taken back in at an epoch's end.
 The run ends as its oracle, bit for bit: the same epochs trained in three
 stages on one machine, each saved and resumed with the next world.  Beside
-it, on the loopback: a run left below MIN nodes ends, and one whose node 0
+it, on the loopback: a run whose node 2 is lost for good ends as its
+oracle (two stages), one left below MIN nodes ends, and one whose node 0
 is lost waits for node 0 alone."""
 import concurrent.futures
 import os
@@ -111,22 +112,29 @@ def make_runs(folder):
     with concurrent.futures.ThreadPoolExecutor() as pool:
         below = pool.submit(loopback_loss, folder / "below", (1, 2))
         node0 = pool.submit(loopback_loss, folder / "node0", (0,))
+        gone = pool.submit(loopback_loss, folder / "gone", (2,))
         with hosts_on_a_bridge(3) as hosts:
             runs = dict(elastic=elastic_run(folder / "elastic", hosts))
-        runs.update(below=below.result(), node0=node0.result())
+        runs.update(below=below.result(), node0=node0.result(), gone=gone.result())
+    # the oracles: the same worlds, each from the last one's checkpoint
+    resume = ("--resume", "o.npz")
     restarts = re.findall(r"at epoch (\d+) \(restart", runs["elastic"][0]["err"])
-    if len(restarts) == 2:  # the oracle: the same worlds, each from the last one's checkpoint
+    if len(restarts) == 2:
         (shrunk, grown), oracle = map(int, restarts), folder / "elastic"
-        resume = ("--resume", "o.npz")
         runs["oracle"] = [stage(oracle, 3, shrunk), stage(oracle, 2, grown, *resume),
                           stage(oracle, 3, EPOCHS, *resume)]
+    restarts = re.findall(r"at epoch (\d+) \(restart", runs["gone"][0]["err"])
+    if len(restarts) == 1:
+        oracle = folder / "gone"
+        runs["gone oracle"] = [stage(oracle, 3, int(restarts[0])),
+                               stage(oracle, 2, EPOCHS, *resume)]
     return runs
 
 
 @pytest.fixture(scope="module")
 def runs():
     def make(folder):
-        for name in ("elastic", "below", "node0"):
+        for name in ("elastic", "below", "node0", "gone"):
             (folder / name).mkdir(exist_ok=True)
         return make_runs(folder)
     return made_once("elastic", make)
@@ -165,6 +173,19 @@ def test_a_node_lost_for_good_leaves_the_others_training_and_its_return_is_taken
     assert state["epoch_workers"] == [3] * shrunk + [2] * (grown - shrunk) + [3] * (EPOCHS - grown)
     assert made["oracle"] == [[0, 0, 0], [0, 0], [0, 0, 0]]
     assert_identical_checkpoints(ckpt, folder / "elastic" / "o.npz", records.TRAINING_STATE)
+
+
+def test_a_node_lost_for_good_leaves_a_run_that_ends_as_its_two_stage_oracle(runs):
+    """Node 2 killed and never started again: nodes 0 and 1 go on once
+    --rejoin-timeout is past, end exit 0, and node 0's checkpoint equals,
+    bit for bit, the epochs up to the restart trained on three nodes, saved,
+    and resumed on two."""
+    folder, made = runs
+    assert [node["code"] for node in made["gone"]] == [0, 0], made["gone"][0]["err"]
+    assert "the run goes on with 2 of its 3 nodes (0, 1)" in made["gone"][1]["err"]
+    assert made["gone oracle"] == [[0, 0, 0], [0, 0]]
+    assert_identical_checkpoints(folder / "gone" / "m.npz", folder / "gone" / "o.npz",
+                                 records.TRAINING_STATE)
 
 
 def test_a_run_left_with_fewer_than_min_nodes_ends_in_one_line(runs):
