@@ -42,6 +42,7 @@ import numpy as np
 
 import mlp
 from bench.common import DEBIAN_FASHION, OUT, measured_by, needed, record, show
+from bench.lost_node import under_load
 from bench.testhosts import host_arguments, hosts_on_a_bridge
 from multi_gpu.cli import Parser
 
@@ -271,7 +272,7 @@ def table(document):
     lines = [f"{measured_by(document)}: two test hosts, two CPU workers each; node 1's machine "
              f"killed after epoch {document['lost_at']}, its command started again "
              f"{document['alone']} epochs later; the oracle: the same epochs in three stages, "
-             "each resumed from the last.", "",
+             f"each resumed from the last{under_load(document)}.", "",
              "| system | training again without node 1 | with node 1 back | exit codes | "
              "as its oracle |", "| --- | --- | --- | --- | --- |"]
     for f in document["figures"]:

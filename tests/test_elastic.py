@@ -5,9 +5,9 @@ killed, the run goes on with nodes 0 and 1 once --rejoin-timeout is past;
 node 2's command started again later, it is taken back in at an epoch's end.
 The run ends as its oracle, bit for bit: the same epochs trained in three
 stages on one machine, each saved and resumed with the next world.  Beside
-it, on the loopback: a run whose node 2 is lost for good ends as its
-oracle (two stages), one left below MIN nodes ends, and one whose node 0
-is lost waits for node 0 alone."""
+it, in three more test hosts, a run whose node 2 is lost for good ends as
+its oracle (two stages); on the loopback, a run left below MIN nodes ends,
+and one whose node 0 is lost waits for node 0 alone."""
 import concurrent.futures
 import os
 import re
@@ -97,25 +97,29 @@ def stage(folder, n, epochs, *args):
     return [finish(proc, 240)[0] for proc in procs]
 
 
-def loopback_loss(folder, killed):
-    """Three nodes on the loopback; the nodes ``killed`` after node 0's first
-    epoch, for good."""
-    coordinator = f"127.0.0.1:{free_port()}"
-    nodes = [Node(rank, coordinator, "--epochs", EPOCHS, cwd=folder) for rank in range(3)]
+def lost_for_good(folder, killed, hosts=None):
+    """Three nodes, in test ``hosts`` or on the loopback; the nodes
+    ``killed`` after node 0's first epoch, for good."""
+    coordinator = f"{hosts[0].address}:29500" if hosts else f"127.0.0.1:{free_port()}"
+    nodes = [Node(rank, coordinator, "--epochs", EPOCHS, host=hosts and hosts[rank], cwd=folder)
+             for rank in range(3)]
     nodes[0].said("epoch 1/")
     for rank in killed:
-        os.killpg(nodes[rank].proc.pid, signal.SIGKILL)
+        if hosts:
+            hosts[rank].signal(signal.SIGKILL)
+        else:
+            os.killpg(nodes[rank].proc.pid, signal.SIGKILL)
     return [node.ended() for rank, node in enumerate(nodes) if rank not in killed]
 
 
 def make_runs(folder):
     with concurrent.futures.ThreadPoolExecutor() as pool:
-        below = pool.submit(loopback_loss, folder / "below", (1, 2))
-        node0 = pool.submit(loopback_loss, folder / "node0", (0,))
-        gone = pool.submit(loopback_loss, folder / "gone", (2,))
-        with hosts_on_a_bridge(3) as hosts:
-            runs = dict(elastic=elastic_run(folder / "elastic", hosts))
-        runs.update(below=below.result(), node0=node0.result(), gone=gone.result())
+        below = pool.submit(lost_for_good, folder / "below", (1, 2))
+        node0 = pool.submit(lost_for_good, folder / "node0", (0,))
+        with hosts_on_a_bridge(6) as hosts:
+            gone = pool.submit(lost_for_good, folder / "gone", (2,), hosts[3:])
+            runs = dict(elastic=elastic_run(folder / "elastic", hosts[:3]), gone=gone.result())
+        runs.update(below=below.result(), node0=node0.result())
     # the oracles: the same worlds, each from the last one's checkpoint
     resume = ("--resume", "o.npz")
     restarts = re.findall(r"at epoch (\d+) \(restart", runs["elastic"][0]["err"])
@@ -133,6 +137,9 @@ def make_runs(folder):
 
 @pytest.fixture(scope="module")
 def runs():
+    if why_no_test_hosts():
+        pytest.skip(why_no_test_hosts())
+
     def make(folder):
         for name in ("elastic", "below", "node0", "gone"):
             (folder / name).mkdir(exist_ok=True)
@@ -140,7 +147,6 @@ def runs():
     return made_once("elastic", make)
 
 
-@pytest.mark.skipif(bool(why_no_test_hosts()), reason=str(why_no_test_hosts()))
 def test_a_node_lost_for_good_leaves_the_others_training_and_its_return_is_taken_in(runs):
     """Each change in one line on every node: who left or came back, the
     new number of workers, the step's minibatches, the epoch it restarts
@@ -176,13 +182,14 @@ def test_a_node_lost_for_good_leaves_the_others_training_and_its_return_is_taken
 
 
 def test_a_node_lost_for_good_leaves_a_run_that_ends_as_its_two_stage_oracle(runs):
-    """Node 2 killed and never started again: nodes 0 and 1 go on once
-    --rejoin-timeout is past, end exit 0, and node 0's checkpoint equals,
-    bit for bit, the epochs up to the restart trained on three nodes, saved,
-    and resumed on two."""
+    """Three test hosts, node 2's machine killed and its command never
+    started again: nodes 0 and 1 go on once --rejoin-timeout is past, end
+    exit 0, and node 0's checkpoint equals, bit for bit, the epochs up to
+    the restart trained on three nodes, saved, and resumed on two."""
     folder, made = runs
     assert [node["code"] for node in made["gone"]] == [0, 0], made["gone"][0]["err"]
-    assert "the run goes on with 2 of its 3 nodes (0, 1)" in made["gone"][1]["err"]
+    assert "node 2 (10.77.0.6) lost: not heard from for " in made["gone"][1]["err"] and \
+        "the run goes on with 2 of its 3 nodes (0, 1)" in made["gone"][1]["err"]
     assert made["gone oracle"] == [[0, 0, 0], [0, 0]]
     assert_identical_checkpoints(folder / "gone" / "m.npz", folder / "gone" / "o.npz",
                                  records.TRAINING_STATE)
