@@ -9,12 +9,14 @@ model, data, minibatches and SGD in two systems, one after the other:
 * the demo: ``python dual_mlp.py cpu cpu --nodes 1:2 --max-restarts 3
   --rejoin-timeout 2``, node 0 with ``--save``;
 * torchrun ``--nnodes 1:2 --nproc-per-node 2 --max-restarts 3``, its c10d
-  rendezvous hosted by node 0, at its best settings (``TORCH_RENDEZVOUS``,
-  ``TORCH_STORE``: without the latter a node started again never got in), each worker
-  DistributedDataParallel over gloo (``ddp_worker``), saving a checkpoint at
-  every epoch's end and loading it at every start, as torchrun asks of its
-  users' scripts; the checkpoint on storage both hosts read (as a shared
-  file system), where the demo's travels with the run.
+  rendezvous hosted by node 0, at its best settings (``TORCH_RENDEZVOUS``;
+  ``TORCH_STORE``, without which a node started again never got in), each
+  worker DistributedDataParallel over gloo (``ddp_worker``), saving a
+  checkpoint at every epoch's end and loading it at every start, as
+  torchrun asks of its users' scripts; the checkpoint on storage both hosts
+  read (a shared file system), where the demo's travels with the run.
+  PyTorch's CPU build: ``pip install torch --index-url
+  https://download.pytorch.org/whl/cpu``.
 
 Once node 0 has reported epoch ``LOST_AT``, node 1's machine is killed
 (every process in it); once the run has reported ``ALONE`` more epochs
