@@ -111,6 +111,9 @@ def test_tutorial_scripts_run_alone():
     assert "with PyTensor's JAX backend on cpu" in out.stdout  # the CPU's default
 
 
+# five runs, three of them compiling Numba's ops (90 s of CPU cold): past the suite's 600 s
+# beside another suite on two cores
+@pytest.mark.timeout(1500)
 def test_cpu_workers_compile_with_jax_and_keep_it_numba_one_flag_away(tmp_path):
     """The CPU's default backend is PyTensor's JAX, and the 2014 command's
     mode=FAST_RUN means the default: XLA's programs are kept in the user's

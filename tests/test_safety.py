@@ -688,7 +688,7 @@ def test_divergence_is_caught_by_its_cost_and_names_what_was_large(tmp_path, no_
 def test_a_model_too_big_for_memory_is_refused_before_it_is_built(name):
     """(Built, it would end in the kernel's OOM killer: exit 137, no word.)"""
     out = script(name, *cpu_workers(name), "--n-hidden",
-                 20000000, "--epochs", 1, timeout=60)
+                 20000000, "--epochs", 1, timeout=300)  # a start-up beside a busy suite
     one_line(out, 2, "the model with --n-hidden 20000000 needs about", "GiB available")
 
 
