@@ -112,6 +112,18 @@ def lost_for_good(folder, killed, hosts=None):
     return [node.ended() for rank, node in enumerate(nodes) if rank not in killed]
 
 
+def oracle_of(run, folder, worlds):
+    """A run's oracle: the nodes of each of ``worlds`` in turn, each stage
+    up to the epoch the run restarted from next (its last to EPOCHS), from
+    the last one's checkpoint; the stages' exit codes (None where the run
+    did not restart once for each change)."""
+    restarts = [int(e) for e in re.findall(r"at epoch (\d+) \(restart", run[0]["err"])]
+    if len(restarts) != len(worlds) - 1:
+        return None
+    return [stage(folder, n, end, *(("--resume", "o.npz") if i else ()))
+            for i, (n, end) in enumerate(zip(worlds, [*restarts, EPOCHS]))]
+
+
 def make_runs(folder):
     with concurrent.futures.ThreadPoolExecutor() as pool:
         below = pool.submit(lost_for_good, folder / "below", (1, 2))
@@ -120,18 +132,8 @@ def make_runs(folder):
             gone = pool.submit(lost_for_good, folder / "gone", (2,), hosts[3:])
             runs = dict(elastic=elastic_run(folder / "elastic", hosts[:3]), gone=gone.result())
         runs.update(below=below.result(), node0=node0.result())
-    # the oracles: the same worlds, each from the last one's checkpoint
-    resume = ("--resume", "o.npz")
-    restarts = re.findall(r"at epoch (\d+) \(restart", runs["elastic"][0]["err"])
-    if len(restarts) == 2:
-        (shrunk, grown), oracle = map(int, restarts), folder / "elastic"
-        runs["oracle"] = [stage(oracle, 3, shrunk), stage(oracle, 2, grown, *resume),
-                          stage(oracle, 3, EPOCHS, *resume)]
-    restarts = re.findall(r"at epoch (\d+) \(restart", runs["gone"][0]["err"])
-    if len(restarts) == 1:
-        oracle = folder / "gone"
-        runs["gone oracle"] = [stage(oracle, 3, int(restarts[0])),
-                               stage(oracle, 2, EPOCHS, *resume)]
+    runs["oracle"] = oracle_of(runs["elastic"], folder / "elastic", (3, 2, 3))
+    runs["gone oracle"] = oracle_of(runs["gone"], folder / "gone", (3, 2))
     return runs
 
 
